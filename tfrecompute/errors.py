@@ -1,0 +1,37 @@
+"""Exception types raised by tfrecompute.
+
+This module is pure Python (no TensorFlow import) so that the planner in
+`tfrecompute.strategies` can use it without TensorFlow installed.
+"""
+
+from __future__ import annotations
+
+__all__ = ["InfeasibleBudgetError", "NonReplayableRandomnessError", "TfrecomputeError"]
+
+
+class TfrecomputeError(Exception):
+    """Base class of the errors specific to tfrecompute."""
+
+
+class InfeasibleBudgetError(TfrecomputeError, ValueError):
+    """A memory budget is below the least peak any plan can reach.
+
+    Attributes:
+        budget: the budget that was asked for, in bytes.
+        minimum: the least feasible budget, in bytes.
+    """
+
+    def __init__(self, message: str, *, budget: int, minimum: int) -> None:
+        super().__init__(message)
+        self.budget = budget
+        self.minimum = minimum
+
+
+class NonReplayableRandomnessError(TfrecomputeError, ValueError):
+    """A recomputed block draws random numbers that cannot be replayed.
+
+    Stateful TensorFlow random ops (`tf.random.uniform` without a seed
+    generator, `tf.random.Generator`, unseeded `keras.random` calls that use the
+    global seed generator) would draw different numbers in the recompute than
+    in the forward pass, which makes gradients silently wrong.
+    """
