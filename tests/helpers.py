@@ -1,0 +1,89 @@
+"""Helpers that compare a recomputed model against the same layers unwrapped."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+MODES = ["eager", "function"]
+
+
+def save_state(variables: Sequence[Any]) -> list[np.ndarray]:
+    """Copies the values of `variables` (weights, statistics, seed states)."""
+    return [np.array(v.numpy(), copy=True) for v in variables]
+
+
+def load_state(variables: Sequence[Any], values: Sequence[np.ndarray]) -> None:
+    for variable, value in zip(variables, values):
+        variable.assign(value)
+
+
+def forward_and_grads(
+    fn: Callable[..., Any],
+    inputs: Sequence[tf.Tensor],
+    variables: Sequence[Any],
+    mode: str,
+) -> list[np.ndarray]:
+    """Runs `fn(*inputs, training=True)` under a tape; returns outputs then gradients.
+
+    The loss weights every output element differently, so a wrong gradient
+    entry anywhere changes the result.
+    """
+
+    def step(*xs: tf.Tensor) -> list[tf.Tensor]:
+        with tf.GradientTape() as tape:
+            for x in xs:
+                if x.dtype.is_floating:
+                    tape.watch(x)
+            outputs = tf.nest.flatten(fn(*xs, training=True))
+            loss = tf.add_n(
+                [
+                    tf.reduce_sum(
+                        tf.cast(o, tf.float32)
+                        * tf.reshape(tf.sin(tf.range(tf.size(o), dtype=tf.float32)), tf.shape(o))
+                    )
+                    for o in outputs
+                ]
+            )
+        sources = [x for x in xs if x.dtype.is_floating] + list(variables)
+        grads = tape.gradient(loss, sources)
+        # Dense tensors: an Embedding's gradient is IndexedSlices unwrapped, dense
+        # through a recompute; both must hold the same numbers.
+        return outputs + [tf.convert_to_tensor(g) if g is not None else tf.zeros(()) for g in grads]
+
+    if mode == "function":
+        step = tf.function(step)
+    elif mode != "eager":
+        raise ValueError(mode)
+    return [np.asarray(t) for t in step(*inputs)]
+
+
+def assert_same_training(
+    wrapped: Callable[..., Any],
+    unwrapped: Callable[..., Any],
+    inputs: Sequence[tf.Tensor],
+    trainable: Sequence[Any],
+    state: Sequence[Any],
+    mode: str,
+    *,
+    atol: float = 1e-6,
+) -> None:
+    """Asserts equal outputs, gradients and state updates for one training step.
+
+    `state` holds every variable either run may change (statistics, seed
+    states); it is restored between the two runs so both start alike.
+    """
+    initial = save_state(state)
+    got = forward_and_grads(wrapped, inputs, trainable, mode)
+    got_state = save_state(state)
+    load_state(state, initial)
+    want = forward_and_grads(unwrapped, inputs, trainable, mode)
+    want_state = save_state(state)
+    assert len(got) == len(want)
+    for index, (g, w) in enumerate(zip(got, want)):
+        np.testing.assert_allclose(g, w, atol=atol, rtol=1e-5, err_msg=f"output/gradient {index}")
+    for variable, g, w in zip(state, got_state, want_state):
+        np.testing.assert_allclose(g, w, atol=atol, rtol=1e-5, err_msg=f"state {variable.path}")
