@@ -27,6 +27,13 @@ __all__ = [
 
 if importlib.util.find_spec("tensorflow") is not None:
     from tfrecompute.layers import RecomputeBlock
+    from tfrecompute.precision import PrecisionFinding, check_precision
     from tfrecompute.profiling import StepMeasurement, measure_step
 
-    __all__ += ["RecomputeBlock", "StepMeasurement", "measure_step"]
+    __all__ += [
+        "PrecisionFinding",
+        "RecomputeBlock",
+        "StepMeasurement",
+        "check_precision",
+        "measure_step",
+    ]
