@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import subprocess
+import sys
+
+import keras
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
@@ -20,3 +24,26 @@ def test_quickstart(capsys):
     out = capsys.readouterr().out
     assert "no recompute" in out and "RecomputeBlock x2" in out
     assert "of the memory" in out
+
+
+def test_mirrored_strategy_example():
+    # A subprocess, so that the example splits the CPU before TensorFlow starts, as for a user.
+    args = ["--depth", "2", "--width", "64", "--samples", "512", "--batch-size", "128"]
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "mirrored_strategy.py"), *args, "--epochs", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "replicas on" in result.stdout
+    assert "with and without recompute: 0.00e+00" in result.stdout
+
+
+def test_mixed_precision_example(capsys):
+    args = ["--depth", "2", "--width", "64", "--samples", "512", "--batch-size", "128"]
+    _load("mixed_precision").main([*args, "--epochs", "1"])
+    out = capsys.readouterr().out
+    assert keras.config.dtype_policy().name == "float32"  # the example restores the policy
+    assert "check_precision(naive): 4 finding(s)" in out and "is not a LossScaleOptimizer" in out
+    assert "check_precision(fixed): 0 finding(s)" in out and "loss scale now" in out
