@@ -1,0 +1,111 @@
+"""Shared test helpers for the planner: random chains and a brute-force oracle."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from fractions import Fraction
+
+from hypothesis import strategies as hs
+
+from tfrecompute.strategies import Chain
+from tfrecompute.strategies.memory import estimate
+
+Segments = tuple[tuple[int, int], ...]
+
+# Costs drawn from values with and without exact binary forms (0.1, 0.3): the
+# optimum is compared on exact fractions, so both must work.
+COSTS = [0.0, 0.1, 0.25, 0.3, 0.5, 1.0, 1.5, 2.0, 3.0, 7.0]
+
+
+def all_segment_sets(n: int) -> Iterator[Segments]:
+    """Every single-level plan of an n-layer chain (F(2n+1) of them)."""
+
+    def rec(s: int) -> Iterator[Segments]:
+        if s == n:
+            yield ()
+            return
+        yield from rec(s + 1)  # layer s stored
+        for e in range(s + 1, n + 1):
+            for rest in rec(e):
+                yield ((s, e), *rest)
+
+    return rec(0)
+
+
+def _units(chain: Chain) -> tuple[list[int], int]:
+    """Costs as integers over a common denominator (floats are dyadic rationals)."""
+    fractions = [Fraction(c) for c in chain.forward_cost]
+    denominator = max(f.denominator for f in fractions)
+    return [int(f * denominator) for f in fractions], denominator
+
+
+def exact_cost(chain: Chain, segments: Segments) -> Fraction:
+    """The exact (unrounded) recompute cost of a plan."""
+    units, denominator = _units(chain)
+    return Fraction(sum(units[j] for s, e in segments for j in range(s, e)), denominator)
+
+
+def brute_force(chain: Chain) -> list[tuple[int, Fraction, int, Segments]]:
+    """(peak, exact cost, number of segments, segments) of every plan, via `simulate`."""
+    units, denominator = _units(chain)
+    table = []
+    for segments in all_segment_sets(chain.n):
+        peak, _ = estimate(chain, segments)
+        cost = Fraction(sum(units[j] for s, e in segments for j in range(s, e)), denominator)
+        table.append((peak, cost, len(segments), segments))
+    return table
+
+
+def pareto(table: list[tuple[int, Fraction, int, Segments]]) -> list[tuple[int, Fraction]]:
+    points = {(peak, cost) for peak, cost, _, _ in table}
+    return sorted(
+        (p, c)
+        for p, c in points
+        if not any(q <= p and d <= c and (q, d) != (p, c) for q, d in points)
+    )
+
+
+def random_chain(rng: random.Random, n: int, *, scale: int = 1) -> Chain:
+    """A heterogeneous chain with small integer sizes (many ties) and mixed costs."""
+    outputs = [rng.choice([0, 1, 2, 3, 5, 8, 13]) * scale for _ in range(n)]
+    saved = [o + rng.choice([0, 0, 1, 4, 9]) * scale for o in outputs]
+    workspace = [rng.choice([0, 0, 2, 6]) * scale for _ in range(n)]
+    return Chain(
+        rng.choice([0, 1, 4, 10]) * scale,
+        outputs,
+        saved,
+        [rng.choice(COSTS) for _ in range(n)],
+        workspace_bytes=workspace,
+        overhead_bytes=rng.choice([0, 3]) * scale,
+    )
+
+
+def wide_chain(rng: random.Random, n: int) -> Chain:
+    """A heterogeneous chain with realistic byte ranges and distinct float costs."""
+    outputs = [rng.randrange(1 << 16, 1 << 22) for _ in range(n)]
+    return Chain(
+        rng.randrange(1 << 16, 1 << 22),
+        outputs,
+        [o + rng.randrange(0, 2 * o) for o in outputs],
+        [rng.uniform(0.1, 10.0) for _ in range(n)],
+        workspace_bytes=[rng.randrange(0, o) if rng.random() < 0.5 else 0 for o in outputs],
+    )
+
+
+@hs.composite
+def chains(draw: hs.DrawFn, *, max_layers: int = 8, min_layers: int = 1) -> Chain:
+    """Hypothesis strategy: heterogeneous chains with small sizes and mixed costs."""
+    n = draw(hs.integers(min_layers, max_layers))
+    outputs = draw(hs.lists(hs.integers(0, 20), min_size=n, max_size=n))
+    extra = draw(hs.lists(hs.sampled_from([0, 0, 1, 3, 10]), min_size=n, max_size=n))
+    workspace = draw(hs.lists(hs.sampled_from([0, 0, 0, 2, 7]), min_size=n, max_size=n))
+    costs = draw(hs.lists(hs.sampled_from(COSTS), min_size=n, max_size=n))
+    return Chain(
+        draw(hs.integers(0, 20)),
+        outputs,
+        [o + x for o, x in zip(outputs, extra)],
+        costs,
+        workspace_bytes=workspace,
+        overhead_bytes=draw(hs.sampled_from([0, 0, 5])),
+    )

@@ -1,0 +1,173 @@
+"""`Chain`: normalisation, defaults and every validation error."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from tfrecompute.strategies import Chain
+
+
+def test_stores_tuples_of_ints_and_floats() -> None:
+    chain = Chain(np.int64(8), np.array([4, 2]), [4.0, 6], (1, np.float32(0.5)))
+    assert chain.input_bytes == 8 and type(chain.input_bytes) is int
+    assert chain.output_bytes == (4, 2) and all(type(x) is int for x in chain.output_bytes)
+    assert chain.saved_bytes == (4, 6) and all(type(x) is int for x in chain.saved_bytes)
+    assert chain.forward_cost == (1.0, 0.5) and all(type(x) is float for x in chain.forward_cost)
+
+
+def test_defaults() -> None:
+    chain = Chain(1, [2, 3], [2, 5], [1.0, 1.5])
+    assert chain.n == 2
+    assert chain.workspace_bytes == (0, 0)
+    assert chain.backward_cost == (2.0, 3.0)
+    assert chain.overhead_bytes == 0
+    assert chain.names == ("layer_0", "layer_1")
+    assert chain.total_forward_cost == 2.5
+    assert [chain.activation_bytes(i) for i in range(3)] == [1, 2, 3]
+
+
+def test_explicit_options() -> None:
+    chain = Chain(
+        1,
+        [2],
+        [2],
+        [1.0],
+        workspace_bytes=[7],
+        backward_cost=[5.0],
+        overhead_bytes=9,
+        names=["dense"],
+    )
+    assert (chain.workspace_bytes, chain.backward_cost, chain.overhead_bytes, chain.names) == (
+        (7,),
+        (5.0,),
+        9,
+        ("dense",),
+    )
+
+
+def test_homogeneous() -> None:
+    chain = Chain.homogeneous(3, activation_bytes=64, cost=2.0)
+    assert chain == Chain(64, [64] * 3, [64] * 3, [2.0] * 3)
+
+
+def test_frozen_and_hashable() -> None:
+    chain = Chain.homogeneous(2, activation_bytes=1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        chain.input_bytes = 3  # type: ignore[misc]
+    assert hash(chain) == hash(Chain.homogeneous(2, activation_bytes=1))
+
+
+def test_keyword_only_options() -> None:
+    with pytest.raises(TypeError):
+        Chain(1, [1], [1], [1.0], [0])  # type: ignore[misc]
+
+
+GOOD = dict(input_bytes=1, output_bytes=[2, 3], saved_bytes=[2, 5], forward_cost=[1.0, 1.0])
+
+
+@pytest.mark.parametrize(
+    ("changes", "error", "match"),
+    [
+        (
+            {"output_bytes": []},
+            ValueError,
+            r"Chain: a chain needs at least one layer\. "
+            r"Received: output_bytes=\[\] \(of type list\)\. Pass one entry per layer\.",
+        ),
+        (
+            {"saved_bytes": [2, 5, 1]},
+            ValueError,
+            r"Chain: saved_bytes has 3 entries but the chain has 2 layers \(the length of "
+            r"output_bytes\)\. Received: saved_bytes=\[2, 5, 1\] \(of type list\)\. Pass one "
+            r"entry per layer in every per-layer sequence\.",
+        ),
+        ({"forward_cost": [1.0]}, ValueError, r"forward_cost has 1 entries but the chain has 2"),
+        ({"workspace_bytes": [0]}, ValueError, r"workspace_bytes has 1 entries"),
+        ({"backward_cost": [1.0, 2.0, 3.0]}, ValueError, r"backward_cost has 3 entries"),
+        ({"names": ["a"]}, ValueError, r"names has 1 entries"),
+        (
+            {"saved_bytes": [2, 2]},
+            ValueError,
+            r"Chain: saved_bytes\[1\] is smaller than output_bytes\[1\]=3.*Received: "
+            r"saved_bytes\[1\]=2 \(of type int\)\. Set saved_bytes\[i\] >= output_bytes\[i\]",
+        ),
+        (
+            {"input_bytes": -1},
+            ValueError,
+            r"Chain: input_bytes must not be negative\. "
+            r"Received: input_bytes=-1 \(of type int\)\. Pass an int >= 0\.",
+        ),
+        ({"output_bytes": [2, -3]}, ValueError, r"output_bytes\[1\] must not be negative"),
+        (
+            {"output_bytes": [2, 2.5]},
+            ValueError,
+            r"output_bytes\[1\] must be a finite whole number of bytes.*2\.5 \(of type float\)",
+        ),
+        ({"output_bytes": [2, float("nan")]}, ValueError, r"output_bytes\[1\] must be a finite"),
+        (
+            {"input_bytes": True},
+            TypeError,
+            r"Chain: input_bytes must be a whole number of "
+            r"bytes\. Received: input_bytes=True \(of type bool\)\. Pass an int >= 0\.",
+        ),
+        ({"output_bytes": [2, "3"]}, TypeError, r"output_bytes\[1\] must be a whole number"),
+        (
+            {"output_bytes": "23"},
+            TypeError,
+            r"output_bytes must be a sequence with one entry per layer.*of type str",
+        ),
+        ({"output_bytes": 3}, TypeError, r"output_bytes must be a sequence"),
+        (
+            {"forward_cost": [1.0, math.nan]},
+            ValueError,
+            r"Chain: forward_cost\[1\] must be finite\. Received: forward_cost\[1\]=nan "
+            r"\(of type float\)\. Pass a finite float >= 0",
+        ),
+        ({"forward_cost": [1.0, math.inf]}, ValueError, r"forward_cost\[1\] must be finite"),
+        ({"forward_cost": [1.0, -0.5]}, ValueError, r"forward_cost\[1\] must not be negative"),
+        ({"forward_cost": [1.0, False]}, TypeError, r"forward_cost\[1\] must be a real number"),
+        ({"backward_cost": [1.0, None]}, TypeError, r"backward_cost\[1\] must be a real number"),
+        ({"workspace_bytes": [0, -1]}, ValueError, r"workspace_bytes\[1\] must not be negative"),
+        ({"overhead_bytes": 1.5}, ValueError, r"overhead_bytes must be a finite whole number"),
+        (
+            {"names": ["a", "a"]},
+            ValueError,
+            r"Chain: names\[1\] repeats names\[0\]\. Received: "
+            r"names\[1\]='a' \(of type str\)\. Give every layer a unique name\.",
+        ),
+        ({"names": ["a", 3]}, TypeError, r"names\[1\] is not a string"),
+        ({"names": ["a", ""]}, ValueError, r"names\[1\] is empty"),
+    ],
+)
+def test_validation_errors(changes: dict[str, object], error: type[Exception], match: str) -> None:
+    kwargs = {**GOOD, **changes}
+    with pytest.raises(error, match=match):
+        Chain(
+            kwargs.pop("input_bytes"),  # type: ignore[arg-type]
+            kwargs.pop("output_bytes"),  # type: ignore[arg-type]
+            kwargs.pop("saved_bytes"),  # type: ignore[arg-type]
+            kwargs.pop("forward_cost"),  # type: ignore[arg-type]
+            **kwargs,  # type: ignore[arg-type]
+        )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (
+            {"n": 0, "activation_bytes": 1},
+            ValueError,
+            r"Chain\.homogeneous: n must be at least 1\. Received: n=0 \(of type int\)",
+        ),
+        ({"n": 2.0, "activation_bytes": 1}, TypeError, r"Chain\.homogeneous: n must be an int"),
+        ({"n": 2, "activation_bytes": -1}, ValueError, r"activation_bytes must not be negative"),
+        ({"n": 2, "activation_bytes": 1, "cost": -1.0}, ValueError, r"cost must not be negative"),
+    ],
+)
+def test_homogeneous_errors(kwargs: dict[str, object], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        Chain.homogeneous(**kwargs)  # type: ignore[arg-type]

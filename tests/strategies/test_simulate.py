@@ -1,0 +1,170 @@
+"""`simulate` and `timeline`: hand-computed steps, invariants, segment validation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hs
+from planner_cases import all_segment_sets, chains
+
+from tfrecompute.strategies import Chain, Estimate, MemoryEvent, _solver, simulate, timeline
+
+# Chain B: x0 = 4 bytes; three layers with outputs of 4 bytes; layers 0 and 1
+# keep 12 bytes for their backward, layer 2 only its output.
+CHAIN_B = Chain(4, [4, 4, 4], [12, 12, 4], [1.0, 2.0, 3.0])
+
+
+def test_store_everything_by_hand() -> None:
+    # forward:  H=4;  L0: 4+12=16, H=16;  L1: 16+12=28, H=28;  L2: 28+4=32, H=32
+    # backward: L2: 32 + grad out 4 + grad in 4 = 40, H=28;  L1: 28+4+4=36, H=16;
+    #           L0: 16+4+4=24
+    assert [e.live_bytes for e in timeline(CHAIN_B, [])] == [16, 28, 32, 40, 36, 24]
+    assert simulate(CHAIN_B, []) == Estimate(40, 0.0)
+
+
+def test_one_segment_by_hand() -> None:
+    # forward:  H=4;  segment [0,2): j=0: 4 + 4 = 8;  j=1: 4 + (4 + 4) = 12;  H = 4 + 4 = 8
+    #           L2 stored: 8 + 4 = 12, H = 12
+    # backward: L2: 12 + 4 + 4 = 20, H = 8;  segment: H -= 4 -> 4
+    #           recompute j=0: 4 + grad 4 + 12 = 20;  j=1: 4 + 4 + (12 + 12) = 32
+    #           backward j=1: 4 + 24 + 4 + 4 = 36;  j=0: 4 + 12 + 4 + 4 = 24
+    assert timeline(CHAIN_B, [(0, 2)]) == [
+        MemoryEvent("forward", 0, 8),
+        MemoryEvent("forward", 1, 12),
+        MemoryEvent("forward", 2, 12),
+        MemoryEvent("backward", 2, 20),
+        MemoryEvent("recompute", 0, 20),
+        MemoryEvent("recompute", 1, 32),
+        MemoryEvent("backward", 1, 36),
+        MemoryEvent("backward", 0, 24),
+    ]
+    assert simulate(CHAIN_B, [(0, 2)]) == Estimate(36, 3.0)
+
+
+def test_adjacent_one_layer_segments_by_hand() -> None:
+    # forward:  H=4;  [0,1): 4+4=8, H=8;  [1,2): 8+4=12, H=12;  L2: 12+4=16, H=16
+    # backward: L2: 16+4+4=24, H=12;  [1,2): H=8, recompute 8+4+12=24, backward 8+12+4+4=28
+    #           [0,1): H=4, recompute 4+4+12=20, backward 4+12+4+4=24
+    assert [e.live_bytes for e in timeline(CHAIN_B, [(0, 1), (1, 2)])] == [
+        8,
+        12,
+        16,
+        24,
+        24,
+        28,
+        20,
+        24,
+    ]
+    assert simulate(CHAIN_B, [(0, 1), (1, 2)]) == Estimate(28, 3.0)
+
+
+# Chain A: workspace and a constant overhead of 100 bytes.
+CHAIN_A = Chain(10, [20, 5], [30, 5], [1.0, 2.0], workspace_bytes=[4, 0], overhead_bytes=100)
+
+
+def test_workspace_and_overhead_by_hand() -> None:
+    # forward:  H=10;  L0: 100 + 10 + 30 + ws 4 = 144, H=40;  L1: 100 + 40 + 5 = 145, H=45
+    # backward: L1: 100 + 45 + 5 + 20 = 170, H=40;  L0: 100 + 40 + 20 + 10 + 4 = 174
+    assert [e.live_bytes for e in timeline(CHAIN_A, [])] == [144, 145, 170, 174]
+    # segment [0,2): forward j=0: 100 + 10 + 20 + 4 = 134;  j=1: 100 + 10 + (20 + 5) = 135
+    # H = 15;  backward: H -= 5 -> 10;  recompute j=0: 100 + 10 + 5 + 30 + 4 = 149;
+    # j=1: 100 + 10 + 5 + 35 = 150;  backward j=1: 100 + 10 + 35 + 5 + 20 = 170;
+    # j=0: 100 + 10 + 30 + 20 + 10 + 4 = 174
+    assert [e.live_bytes for e in timeline(CHAIN_A, [(0, 2)])] == [134, 135, 149, 150, 170, 174]
+    assert simulate(CHAIN_A, [(0, 2)]) == Estimate(174, 3.0)
+
+
+def test_homogeneous_docstring_values() -> None:
+    chain = Chain.homogeneous(4, activation_bytes=100)
+    assert simulate(chain, []) == (700, 0.0)
+    assert simulate(chain, [(0, 2), (2, 4)]) == (600, 4.0)
+
+
+@settings(deadline=None, max_examples=60)
+@given(chains(max_layers=7), hs.data())
+def test_simulate_is_the_max_of_timeline(chain: Chain, data: hs.DataObject) -> None:
+    plans = list(all_segment_sets(chain.n))
+    segments = plans[data.draw(hs.integers(0, len(plans) - 1))]
+    events = timeline(chain, segments)
+    estimate = simulate(chain, segments)
+    assert estimate.peak_bytes == max(e.live_bytes for e in events)
+    recomputed = [j for s, e in segments for j in range(s, e)]
+    assert estimate.recompute_cost == math.fsum(chain.forward_cost[j] for j in recomputed)
+    assert len(events) == 2 * chain.n + len(recomputed)
+    assert [e.layer for e in events if e.phase == "forward"] == list(range(chain.n))
+    assert sorted(e.layer for e in events if e.phase == "recompute") == recomputed
+    assert sorted(e.layer for e in events if e.phase == "backward") == list(range(chain.n))
+
+
+@settings(deadline=None, max_examples=60)
+@given(chains(max_layers=7), hs.data())
+def test_element_formula_matches_simulate(chain: Chain, data: hs.DataObject) -> None:
+    """The closed form the solver relies on (NOTE [ The element formula ])."""
+    plans = list(all_segment_sets(chain.n))
+    segments = plans[data.draw(hs.integers(0, len(plans) - 1))]
+    pb = _solver.Problem.from_chain(chain)
+    held, peak = chain.input_bytes, 0
+    position = 0
+    elements = []
+    for s, e in segments:
+        elements += [(i, i + 1, False) for i in range(position, s)] + [(s, e, True)]
+        position = e
+    elements += [(i, i + 1, False) for i in range(position, chain.n)]
+    for s, e, recomputed in elements:
+        if recomputed:
+            width, row = pb.row(s, pb.inf)
+            local, kept = int(row[e - s - 1]), chain.activation_bytes(e)
+        else:
+            local, kept = int(pb.Lst[s]), chain.saved_bytes[s]
+        peak = max(peak, held + local)
+        held += kept
+    assert chain.overhead_bytes + peak == simulate(chain, segments).peak_bytes
+
+
+@pytest.mark.parametrize(
+    ("segments", "error", "match"),
+    [
+        (
+            [(2, 2)],
+            ValueError,
+            r"simulate: segment \(2, 2\) is empty\. Received: "
+            r"segments=\[\(2, 2\)\] \(of type list\)\. Use half-open ranges",
+        ),
+        ([(0, 2), (1, 3)], ValueError, r"simulate: segments \(0, 2\) and \(1, 3\) overlap"),
+        ([(2, 3), (0, 1)], ValueError, r"segments \(2, 3\) and \(0, 1\) are not sorted"),
+        (
+            [(0, 4)],
+            ValueError,
+            r"simulate: segment \(0, 4\) is outside the chain's layers "
+            r"0\.\.2\. Received: segments=\[\(0, 4\)\] \(of type list\)\. Keep 0 <= start < stop "
+            r"<= 3\.",
+        ),
+        ([(-1, 1)], ValueError, r"segment \(-1, 1\) is outside"),
+        ([(0, 1, 2)], TypeError, r"simulate: segment \(0, 1, 2\) is not a pair of ints"),
+        ([(0, True)], TypeError, r"is not a pair of ints"),
+        ([(0.0, 1)], TypeError, r"is not a pair of ints"),
+        ([3], TypeError, r"segment 3 is not a pair of ints"),
+        ("01", TypeError, r"segments must be a sequence of \(start, stop\) pairs"),
+        (None, TypeError, r"segments must be a sequence"),
+    ],
+)
+def test_segment_errors(segments: object, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        simulate(CHAIN_B, segments)  # type: ignore[arg-type]
+
+
+def test_timeline_errors_name_their_api() -> None:
+    with pytest.raises(ValueError, match=r"^timeline: segment \(1, 1\) is empty"):
+        timeline(CHAIN_B, [(1, 1)])
+    with pytest.raises(
+        TypeError,
+        match=r"^simulate: chain must be a Chain\. Received: "
+        r"chain=\[1, 2\] \(of type list\)",
+    ):
+        simulate([1, 2], [])  # type: ignore[arg-type]
+
+
+def test_adjacent_and_single_layer_segments_are_valid() -> None:
+    assert simulate(CHAIN_B, [(0, 1), (1, 2), (2, 3)]).recompute_cost == 6.0

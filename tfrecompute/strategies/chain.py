@@ -1,0 +1,215 @@
+"""`Chain`: the cost model of a sequential chain of layers, all the planner sees."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from tfrecompute.strategies._checks import (
+    as_byte_count,
+    as_cost,
+    as_positive_int,
+    as_sequence,
+    fail,
+)
+
+__all__ = ["Chain"]
+
+_API = "Chain"
+
+
+@dataclass(frozen=True, init=False)
+class Chain:
+    """Memory and time costs of a chain of `n` layers, layer `i` mapping `x_i` to `x_{i+1}`.
+
+    Bytes are ints, costs floats (seconds or FLOPs: only ratios matter). Sequences
+    are stored as tuples. See `tfrecompute.strategies.memory` for how these
+    numbers turn into a memory peak.
+
+    Attributes:
+        input_bytes: bytes of `x_0`, the chain input.
+        output_bytes: `output_bytes[i]` is the size of `x_{i+1}`, layer `i`'s output.
+        saved_bytes: bytes layer `i` keeps alive for its backward pass when it is
+            not recomputed, its output included (so `saved_bytes[i] >=
+            output_bytes[i]`).
+        forward_cost: cost of layer `i`'s forward pass, paid again when recomputed.
+        workspace_bytes: transient bytes while layer `i` runs forward or backward.
+        backward_cost: cost of layer `i`'s backward pass (informational only).
+        overhead_bytes: bytes live at every moment of the step (weights,
+            gradients, optimizer slots...).
+        names: layer names, unique.
+
+    Example:
+        >>> chain = Chain(1024, [2048, 2048, 512], [4096, 2048, 512], [1.0, 2.0, 0.5])
+        >>> chain.n, chain.names[0], chain.backward_cost[1]
+        (3, 'layer_0', 4.0)
+        >>> Chain.homogeneous(4, activation_bytes=1024).saved_bytes
+        (1024, 1024, 1024, 1024)
+    """
+
+    input_bytes: int
+    output_bytes: tuple[int, ...]
+    saved_bytes: tuple[int, ...]
+    forward_cost: tuple[float, ...]
+    workspace_bytes: tuple[int, ...]
+    backward_cost: tuple[float, ...]
+    overhead_bytes: int
+    names: tuple[str, ...]
+
+    def __init__(
+        self,
+        input_bytes: int,
+        output_bytes: Iterable[int],
+        saved_bytes: Iterable[int],
+        forward_cost: Iterable[float],
+        *,
+        workspace_bytes: Iterable[int] | None = None,
+        backward_cost: Iterable[float] | None = None,
+        overhead_bytes: int = 0,
+        names: Iterable[str] | None = None,
+    ) -> None:
+        """Validates and stores the costs; see the class docstring for the fields.
+
+        Raises:
+            TypeError: a value has the wrong type (bools are never numbers here).
+            ValueError: lengths disagree, the chain is empty, a value is negative,
+                NaN or infinite, a byte count is fractional, `saved_bytes[i] <
+                output_bytes[i]`, or names repeat.
+        """
+        inputs = as_byte_count(_API, "input_bytes", input_bytes)
+        overhead = as_byte_count(_API, "overhead_bytes", overhead_bytes)
+        outputs = _byte_tuple("output_bytes", output_bytes)
+        n = len(outputs)
+        if n == 0:
+            fail(
+                _API,
+                "a chain needs at least one layer",
+                "output_bytes",
+                output_bytes,
+                "Pass one entry per layer",
+            )
+        saved = _byte_tuple("saved_bytes", saved_bytes, n=n)
+        forward = _cost_tuple("forward_cost", forward_cost, n=n)
+        workspace = (
+            (0,) * n
+            if workspace_bytes is None
+            else _byte_tuple("workspace_bytes", workspace_bytes, n=n)
+        )
+        backward = (
+            tuple(2.0 * cost for cost in forward)
+            if backward_cost is None
+            else _cost_tuple("backward_cost", backward_cost, n=n)
+        )
+        for i, (kept, output) in enumerate(zip(saved, outputs)):
+            if kept < output:
+                fail(
+                    _API,
+                    f"saved_bytes[{i}] is smaller than output_bytes[{i}]={output}; a layer's "
+                    "saved bytes include its output",
+                    f"saved_bytes[{i}]",
+                    kept,
+                    "Set saved_bytes[i] >= output_bytes[i] for every layer",
+                )
+        layer_names = tuple(f"layer_{i}" for i in range(n)) if names is None else _names(names, n=n)
+        object.__setattr__(self, "input_bytes", inputs)
+        object.__setattr__(self, "output_bytes", outputs)
+        object.__setattr__(self, "saved_bytes", saved)
+        object.__setattr__(self, "forward_cost", forward)
+        object.__setattr__(self, "workspace_bytes", workspace)
+        object.__setattr__(self, "backward_cost", backward)
+        object.__setattr__(self, "overhead_bytes", overhead)
+        object.__setattr__(self, "names", layer_names)
+
+    @classmethod
+    def homogeneous(cls, n: int, *, activation_bytes: int, cost: float = 1.0) -> Chain:
+        """A chain of `n` identical layers that each keep only their output.
+
+        Args:
+            n: number of layers, at least 1.
+            activation_bytes: size of every activation, the input included.
+            cost: forward cost of every layer.
+
+        Returns:
+            The chain.
+
+        Example:
+            >>> Chain.homogeneous(3, activation_bytes=100).output_bytes
+            (100, 100, 100)
+        """
+        layers = as_positive_int("Chain.homogeneous", "n", n)
+        size = as_byte_count("Chain.homogeneous", "activation_bytes", activation_bytes)
+        each = as_cost("Chain.homogeneous", "cost", cost)
+        return cls(size, [size] * layers, [size] * layers, [each] * layers)
+
+    @property
+    def n(self) -> int:
+        """Number of layers."""
+        return len(self.output_bytes)
+
+    @property
+    def total_forward_cost(self) -> float:
+        """Cost of one forward pass over the whole chain (an exactly rounded sum)."""
+        return math.fsum(self.forward_cost)
+
+    def activation_bytes(self, i: int) -> int:
+        """Size of `x_i` for `i` in `0..n`: the input for 0, else `output_bytes[i - 1]`."""
+        return self.input_bytes if i == 0 else self.output_bytes[i - 1]
+
+
+def _check_length(name: str, items: tuple[object, ...], n: int | None, values: object) -> None:
+    if n is not None and len(items) != n:
+        fail(
+            _API,
+            f"{name} has {len(items)} entries but the chain has {n} layers (the length "
+            "of output_bytes)",
+            name,
+            values,
+            "Pass one entry per layer in every per-layer sequence",
+        )
+
+
+def _byte_tuple(name: str, values: object, *, n: int | None = None) -> tuple[int, ...]:
+    items = as_sequence(_API, name, values)
+    _check_length(name, items, n, values)
+    return tuple(as_byte_count(_API, f"{name}[{i}]", item) for i, item in enumerate(items))
+
+
+def _cost_tuple(name: str, values: object, *, n: int) -> tuple[float, ...]:
+    items = as_sequence(_API, name, values)
+    _check_length(name, items, n, values)
+    return tuple(as_cost(_API, f"{name}[{i}]", item) for i, item in enumerate(items))
+
+
+def _names(values: object, *, n: int) -> tuple[str, ...]:
+    items = as_sequence(_API, "names", values)
+    _check_length("names", items, n, values)
+    seen: dict[str, int] = {}
+    for i, item in enumerate(items):
+        if not isinstance(item, str):
+            fail(
+                _API,
+                f"names[{i}] is not a string",
+                f"names[{i}]",
+                item,
+                "Pass layer names as strings",
+                error=TypeError,
+            )
+        if not item:
+            fail(
+                _API,
+                f"names[{i}] is empty",
+                f"names[{i}]",
+                item,
+                "Give every layer a non-empty name",
+            )
+        if item in seen:
+            fail(
+                _API,
+                f"names[{i}] repeats names[{seen[item]}]",
+                f"names[{i}]",
+                item,
+                "Give every layer a unique name",
+            )
+        seen[item] = i
+    return tuple(str(item) for item in items)

@@ -1,0 +1,218 @@
+"""The optimal single-level plan under a memory budget, the Pareto frontier, the least peak.
+
+The search is exact: among all sets of segments it finds the least recompute
+cost whose simulated peak fits the budget (ties: lower peak, then fewer
+segments). It works on exact integers (bytes as they are, costs as the exact
+binary values of their floats), with one documented exception: on chains of
+more than 64 layers whose exact costs would overflow 64-bit arithmetic (costs
+in seconds, say), costs are rounded to a grid finer than about 2^-30 of the total
+cost. See `_solver.py` for the algorithm.
+
+Heterogeneous chains can have very many Pareto-optimal partial plans (the
+problem contains knapsack). `max_work` bounds the candidate labels examined:
+once it is spent, `optimal` returns the best plan found by passes that keep a
+bounded number of labels per position. Such a plan always fits the budget (memory
+is checked exactly); only its cost may exceed the optimum, and `Plan.proven_optimal`
+is False. Chains of up to 16 layers are always solved exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+
+from tfrecompute.errors import InfeasibleBudgetError
+from tfrecompute.strategies import _solver
+from tfrecompute.strategies._checks import fail, received
+from tfrecompute.strategies.budget import _parse_budget, format_bytes
+from tfrecompute.strategies.chain import Chain
+from tfrecompute.strategies.memory import estimate
+from tfrecompute.strategies.plan import Budget, Plan
+
+__all__ = ["DEFAULT_MAX_WORK", "frontier", "min_peak", "optimal"]
+
+_logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_WORK = 36_000_000
+"""Default bound on candidate labels examined by `optimal` and `frontier` (about 1 s)."""
+
+
+def min_peak(chain: Chain) -> int:
+    """The least peak memory any single-level plan reaches.
+
+    Args:
+        chain: the cost model.
+
+    Returns:
+        The least `simulate(chain, segments).peak_bytes` over all segment sets.
+
+    Example:
+        >>> min_peak(Chain.homogeneous(9, activation_bytes=100))
+        700
+    """
+    _check_chain("min_peak", chain)
+    return _least_peak(_solver.Problem.from_chain(chain))
+
+
+def optimal(
+    chain: Chain, budget: Budget | None = None, *, max_work: int | None = DEFAULT_MAX_WORK
+) -> Plan:
+    """The least-cost plan whose predicted peak fits the budget.
+
+    Args:
+        chain: the cost model.
+        budget: the largest allowed peak, bytes or a string like `"512MiB"`.
+            None: the plan with the least peak (ties: least cost).
+        max_work: bound on the candidate labels the exact search examines
+            (about 30 million per second); past it, the best plan found so far
+            is returned with `proven_optimal=False`. None: search until exact,
+            which can take long on large heterogeneous chains.
+
+    Returns:
+        The plan, with `strategy="optimal"`.
+
+    Raises:
+        InfeasibleBudgetError: the budget is below `min_peak(chain)`.
+        TypeError, ValueError: a malformed budget or `max_work`.
+
+    Example:
+        >>> chain = Chain.homogeneous(8, activation_bytes=1024)
+        >>> plan = optimal(chain, "8KiB")
+        >>> plan.segments, plan.peak_bytes, plan.recompute_cost
+        (((1, 5),), 8192, 4.0)
+    """
+    _check_chain("optimal", chain)
+    _check_max_work("optimal", max_work)
+    pb = _solver.Problem.from_chain(chain)
+    least = _least_peak(pb)
+    if budget is None:
+        limit = least
+    else:
+        limit = _parse_budget(budget, api="optimal", name="budget")
+        if limit < least:
+            raise infeasible("optimal", budget, limit, own=least, least=least)
+    solution = _solver.solve_budget(pb, limit, max_work=max_work)
+    if solution is None:  # pragma: no cover - min_peak guarantees a plan fits
+        raise RuntimeError("optimal: no plan found although the budget is feasible")
+    peak, cost = estimate(chain, solution.segments)
+    if not solution.exact:
+        _logger.info(
+            "optimal: stopped at max_work=%d before proving optimality; the plan fits the "
+            "budget but may cost more than the optimum (pass max_work=None for an exact search)",
+            max_work,
+        )
+    return Plan(
+        solution.segments,
+        peak_bytes=peak,
+        recompute_cost=cost,
+        strategy="optimal",
+        chain=chain,
+        proven_optimal=solution.exact,
+    )
+
+
+def frontier(chain: Chain, *, max_work: int | None = DEFAULT_MAX_WORK) -> list[Plan]:
+    """The Pareto set of (peak, recompute cost) over all single-level plans.
+
+    Args:
+        chain: the cost model.
+        max_work: bound on the candidate labels of the exact search. Past it, the
+            frontier of a search keeping a bounded number of labels per position
+            is returned: every point is a real plan and no point dominates another,
+            but points may be missing or beaten by unlisted plans, and each plan
+            has `proven_optimal=False`. None: always exact.
+
+    Returns:
+        Plans sorted by peak ascending (so cost descending): the first has the
+        least peak, the last costs least (the plan that stores everything, unless
+        free layers exist). Of plans with equal peak and cost, the one with the
+        fewest segments.
+
+    Example:
+        >>> [(p.peak_bytes, p.recompute_cost) for p in frontier(Chain.homogeneous(
+        ...     3, activation_bytes=10))]
+        [(50, 2.0), (60, 0.0)]
+    """
+    _check_chain("frontier", chain)
+    _check_max_work("frontier", max_work)
+    pb = _solver.Problem.from_chain(chain)
+    found, exact = _solver.solve_frontier(pb, max_work=max_work)
+    return [
+        Plan(
+            segments,
+            peak_bytes=peak,
+            recompute_cost=_solver.fsum_cost(chain, segments),
+            strategy="optimal",
+            chain=chain,
+            proven_optimal=exact,
+        )
+        for segments, peak in found
+    ]
+
+
+def infeasible(
+    api: str, value: object, budget: int, *, own: int, least: int
+) -> InfeasibleBudgetError:
+    """The error for a budget a strategy cannot meet.
+
+    `own` is the least budget the strategy meets, `least` that of any plan.
+    """
+    if budget < least:
+        what = (
+            f"budget {format_bytes(budget)} is below the least peak any plan reaches, "
+            f"{format_bytes(least)}"
+        )
+    else:
+        what = (
+            f"the plan's predicted peak {format_bytes(own)} exceeds the budget "
+            f"{format_bytes(budget)}"
+        )
+    if own == least:
+        fix = f"Raise the budget to at least {least} bytes, or reduce the batch size"
+    else:
+        fix = (
+            f"Raise the budget to at least {own} bytes for this strategy, or use the "
+            f'"optimal" strategy, which needs {least} bytes'
+        )
+        if budget < least:
+            fix += ", or reduce the batch size"
+    message = f"{api}: {what}. {received('budget', value)}. {fix}."
+    return InfeasibleBudgetError(message, budget=budget, minimum=own)
+
+
+def _least_peak(pb: _solver.Problem) -> int:
+    return pb.overhead + pb.a0 + _solver.min_headroom(pb)
+
+
+def _check_chain(api: str, chain: object) -> None:
+    if not isinstance(chain, Chain):
+        fail(
+            api,
+            "chain must be a Chain",
+            "chain",
+            chain,
+            "Build one with tfrecompute.strategies.Chain(...)",
+            error=TypeError,
+        )
+
+
+def _check_max_work(api: str, max_work: object) -> None:
+    if max_work is None:
+        return
+    if isinstance(max_work, bool) or not isinstance(max_work, numbers.Integral):
+        fail(
+            api,
+            "max_work must be an int or None",
+            "max_work",
+            max_work,
+            "Pass a positive int, or None for an exact search",
+            error=TypeError,
+        )
+    if max_work < 1:
+        fail(
+            api,
+            "max_work must be positive",
+            "max_work",
+            max_work,
+            "Pass a positive int, or None for an exact search",
+        )

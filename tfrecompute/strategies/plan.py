@@ -1,0 +1,244 @@
+"""`Plan`: which layers to recompute, with its predicted peak and cost."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from tfrecompute.strategies._checks import fail
+from tfrecompute.strategies.budget import format_bytes
+from tfrecompute.strategies.chain import Chain
+from tfrecompute.strategies.memory import (
+    MemoryEvent,
+    check_segments,
+    estimate,
+    timeline,
+)
+
+__all__ = ["Budget", "Plan", "Strategy"]
+
+Budget = int | str
+"""A memory budget: bytes, or a string like `"512MiB"` (see `parse_budget`)."""
+
+
+@dataclass(frozen=True, init=False)
+class Plan:
+    """A single-level recompute plan for a `Chain`.
+
+    Attributes:
+        segments: sorted, disjoint half-open ranges `(start, stop)` of recomputed
+            layers; every other layer is stored as usual. Adjacent segments are
+            distinct blocks; a one-layer segment recomputes that layer alone.
+        peak_bytes: the predicted peak memory of one training step.
+        recompute_cost: summed `forward_cost` of the recomputed layers.
+        strategy: the name of the strategy that made the plan (`"manual"` for
+            `Plan.from_segments`).
+        chain: the chain planned for (not part of equality or repr).
+        proven_optimal: True when the planner proved that no plan within the same
+            peak costs less (the `optimal` strategy when its search was exact,
+            and the points of `frontier`); False otherwise.
+
+    Example:
+        >>> chain = Chain.homogeneous(4, activation_bytes=100)
+        >>> plan = Plan.from_segments(chain, [(0, 2), (2, 4)])
+        >>> plan.peak_bytes, plan.recompute_cost, plan.recomputed_layers
+        (600, 4.0, (0, 1, 2, 3))
+    """
+
+    segments: tuple[tuple[int, int], ...]
+    peak_bytes: int
+    recompute_cost: float
+    strategy: str
+    chain: Chain = field(compare=False, repr=False)
+    proven_optimal: bool = False
+
+    def __init__(
+        self,
+        segments: Iterable[Sequence[int]],
+        *,
+        peak_bytes: int,
+        recompute_cost: float,
+        strategy: str,
+        chain: Chain,
+        proven_optimal: bool = False,
+    ) -> None:
+        """Validates the fields; use `Plan.from_segments` to compute peak and cost.
+
+        Raises:
+            TypeError: a field has the wrong type.
+            ValueError: segments are empty, overlapping, unsorted or outside
+                `0..chain.n`, or peak or cost is negative or not finite.
+        """
+        checked = check_segments("Plan", chain, segments)
+        if isinstance(peak_bytes, bool) or not isinstance(peak_bytes, numbers.Integral):
+            fail(
+                "Plan",
+                "peak_bytes must be an int",
+                "peak_bytes",
+                peak_bytes,
+                "Pass the peak in bytes, e.g. from simulate()",
+                error=TypeError,
+            )
+        if peak_bytes < 0:
+            fail(
+                "Plan",
+                "peak_bytes must not be negative",
+                "peak_bytes",
+                peak_bytes,
+                "Pass the peak in bytes, e.g. from simulate()",
+            )
+        if isinstance(recompute_cost, bool) or not isinstance(recompute_cost, numbers.Real):
+            fail(
+                "Plan",
+                "recompute_cost must be a real number",
+                "recompute_cost",
+                recompute_cost,
+                "Pass a finite float >= 0",
+                error=TypeError,
+            )
+        if not math.isfinite(recompute_cost) or recompute_cost < 0:
+            fail(
+                "Plan",
+                "recompute_cost must be finite and not negative",
+                "recompute_cost",
+                recompute_cost,
+                "Pass a finite float >= 0",
+            )
+        if not isinstance(strategy, str):
+            fail(
+                "Plan",
+                "strategy must be a string",
+                "strategy",
+                strategy,
+                "Pass the strategy's name",
+                error=TypeError,
+            )
+        object.__setattr__(self, "segments", checked)
+        object.__setattr__(self, "peak_bytes", int(peak_bytes))
+        object.__setattr__(self, "recompute_cost", float(recompute_cost))
+        object.__setattr__(self, "strategy", strategy)
+        object.__setattr__(self, "chain", chain)
+        object.__setattr__(self, "proven_optimal", bool(proven_optimal))
+
+    @classmethod
+    def from_segments(
+        cls, chain: Chain, segments: Iterable[Sequence[int]], *, strategy: str = "manual"
+    ) -> Plan:
+        """Builds a plan from segments, its peak and cost predicted by `simulate`.
+
+        Args:
+            chain: the cost model.
+            segments: sorted, disjoint half-open ranges `(start, stop)` of
+                recomputed layers.
+            strategy: the name recorded in the plan.
+
+        Returns:
+            The plan.
+
+        Example:
+            >>> Plan.from_segments(Chain.homogeneous(3, activation_bytes=10), [(1, 3)])
+            Plan(segments=((1, 3),), peak_bytes=60, recompute_cost=2.0, strategy='manual', \
+proven_optimal=False)
+        """
+        checked = check_segments("Plan.from_segments", chain, segments)
+        peak, cost = estimate(chain, checked)
+        return cls(checked, peak_bytes=peak, recompute_cost=cost, strategy=strategy, chain=chain)
+
+    @property
+    def recomputed_layers(self) -> tuple[int, ...]:
+        """Indices of the recomputed layers, ascending."""
+        return tuple(j for s, e in self.segments for j in range(s, e))
+
+    def timeline(self) -> list[MemoryEvent]:
+        """The memory over one training step; see `tfrecompute.strategies.timeline`."""
+        return timeline(self.chain, self.segments)
+
+    def summary(self) -> str:
+        """A readable table of the plan: one row per run of stored layers or segment.
+
+        Returns:
+            The table, then the predicted peak and the recompute overhead.
+
+        Example:
+            >>> chain = Chain.homogeneous(6, activation_bytes=1024)
+            >>> plan = Plan.from_segments(chain, [(0, 3)])
+            >>> print(plan.summary())  # doctest: +NORMALIZE_WHITESPACE
+            Plan 'manual' for a chain of 6 layers
+            layers  names                           mode        held      recompute cost
+            0-2     layer_0 … layer_2 (3 layers)    recomputed  1.00 KiB  3
+            3-5     layer_3 … layer_5 (3 layers)    stored      3.00 KiB  -
+            Predicted peak: 7.00 KiB (7168 bytes)
+            Recompute cost: 3 = 50.0% of one forward pass (total forward cost 6)
+        """
+        chain = self.chain
+        rows: list[tuple[str, str, str, str, str]] = []
+        for s, e, recomputed in _runs(chain.n, self.segments):
+            span = str(s) if e - s == 1 else f"{s}-{e - 1}"
+            names = _abbreviate(chain.names[s:e])
+            if recomputed:
+                held = chain.output_bytes[e - 1]
+                cost = _number(math.fsum(chain.forward_cost[s:e]))
+                rows.append((span, names, "recomputed", format_bytes(held), cost))
+            else:
+                held = sum(chain.saved_bytes[s:e])
+                rows.append((span, names, "stored", format_bytes(held), "-"))
+        header = ("layers", "names", "mode", "held", "recompute cost")
+        widths = [max(len(row[k]) for row in [header, *rows]) for k in range(5)]
+
+        def line(row: tuple[str, str, str, str, str]) -> str:
+            return "  ".join(text.ljust(width) for text, width in zip(row, widths)).rstrip()
+
+        total = chain.total_forward_cost
+        share = 100.0 * self.recompute_cost / total if total > 0 else 0.0
+        proof = " (proven optimal)" if self.proven_optimal else ""
+        return "\n".join(
+            [
+                f"Plan {self.strategy!r} for a chain of {chain.n} layers{proof}",
+                line(header),
+                *(line(row) for row in rows),
+                f"Predicted peak: {format_bytes(self.peak_bytes)} ({self.peak_bytes} bytes)",
+                f"Recompute cost: {_number(self.recompute_cost)} = {share:.1f}% of one forward "
+                f"pass (total forward cost {_number(total)})",
+            ]
+        )
+
+
+def _runs(n: int, segments: tuple[tuple[int, int], ...]) -> list[tuple[int, int, bool]]:
+    """Maximal runs of stored layers and the segments, in order."""
+    runs: list[tuple[int, int, bool]] = []
+    position = 0
+    for s, e in segments:
+        if position < s:
+            runs.append((position, s, False))
+        runs.append((s, e, True))
+        position = e
+    if position < n:
+        runs.append((position, n, False))
+    return runs
+
+
+def _abbreviate(names: Sequence[str]) -> str:
+    if len(names) == 1:
+        return names[0]
+    if len(names) == 2:
+        return f"{names[0]}, {names[1]}"
+    return f"{names[0]} … {names[-1]} ({len(names)} layers)"
+
+
+def _number(value: float) -> str:
+    return format(value, ".4g")
+
+
+class Strategy(Protocol):
+    """A planning strategy: `(chain, budget=None) -> Plan`.
+
+    Strategies are plain functions (or factories of functions, like `uniform(k)`);
+    `tfrecompute.strategies.get` looks them up by name.
+    """
+
+    def __call__(self, chain: Chain, budget: Budget | None = None) -> Plan:
+        """Plans `chain`; raises `InfeasibleBudgetError` when the budget cannot be met."""
+        ...

@@ -1,0 +1,223 @@
+"""Simple strategies: store everything, fixed-size segments, sqrt, Chen's greedy.
+
+Each strategy is a plain function `(chain, budget=None) -> Plan`. `none`,
+`uniform(k)` and `sqrt` ignore the budget when planning; when one is given and
+their plan's peak exceeds it, they raise `InfeasibleBudgetError` (whose
+`minimum` is their own peak) rather than return a plan that does not fit.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tfrecompute.strategies._checks import as_positive_int, fail
+from tfrecompute.strategies.budget import _parse_budget
+from tfrecompute.strategies.chain import Chain
+from tfrecompute.strategies.memory import estimate
+from tfrecompute.strategies.optimize import infeasible, min_peak
+from tfrecompute.strategies.plan import Budget, Plan, Strategy
+
+__all__ = ["heuristic", "none", "sqrt", "uniform"]
+
+
+def none(chain: Chain, budget: Budget | None = None) -> Plan:
+    """Stores every layer: no recompute, the highest peak.
+
+    Args:
+        chain: the cost model.
+        budget: optional; raises if the plan's peak exceeds it.
+
+    Returns:
+        The plan without segments.
+
+    Raises:
+        InfeasibleBudgetError: the peak exceeds the budget.
+
+    Example:
+        >>> none(Chain.homogeneous(4, activation_bytes=100)).peak_bytes
+        700
+    """
+    return _fixed_plan("none", chain, (), budget)
+
+
+def uniform(k: int) -> Strategy:
+    """A strategy recomputing every layer in segments of `k` layers.
+
+    The last segment holds the remaining `n % k` layers when `k` does not divide
+    `n`; `k >= n` gives a single segment.
+
+    Args:
+        k: layers per segment, at least 1.
+
+    Returns:
+        A strategy `(chain, budget=None) -> Plan` named `"uniform:<k>"`.
+
+    Raises:
+        TypeError, ValueError: `k` is not an int >= 1.
+
+    Example:
+        >>> uniform(3)(Chain.homogeneous(7, activation_bytes=1)).segments
+        ((0, 3), (3, 6), (6, 7))
+    """
+    size = as_positive_int("uniform", "k", k)
+    name = f"uniform:{size}"
+
+    def strategy(chain: Chain, budget: Budget | None = None) -> Plan:
+        _check_chain(name, chain)
+        return _fixed_plan(name, chain, _uniform_segments(chain.n, size), budget)
+
+    strategy.__name__ = strategy.__qualname__ = name
+    strategy.__doc__ = f"Recomputes every layer in segments of {size} layers."
+    return strategy
+
+
+def sqrt(chain: Chain, budget: Budget | None = None) -> Plan:
+    """Recomputes everything in segments of `ceil(sqrt(n))` layers (Chen et al. 2016).
+
+    On a chain of equal layers this reaches within about one activation of
+    the best peak of any equal-segment plan, for one extra forward pass.
+
+    Args:
+        chain: the cost model.
+        budget: optional; raises if the plan's peak exceeds it.
+
+    Returns:
+        The plan, with `strategy="sqrt"`.
+
+    Raises:
+        InfeasibleBudgetError: the peak exceeds the budget.
+
+    Example:
+        >>> sqrt(Chain.homogeneous(9, activation_bytes=1)).segments
+        ((0, 3), (3, 6), (6, 9))
+    """
+    _check_chain("sqrt", chain)
+    size = math.isqrt(chain.n - 1) + 1
+    return _fixed_plan("sqrt", chain, _uniform_segments(chain.n, size), budget)
+
+
+_THRESHOLDS = 32
+_STORED_SHARES = (0.0, 0.1, 0.25)
+
+
+def heuristic(chain: Chain, budget: Budget | None = None) -> Plan:
+    """Chen's greedy segmentation, searched over its threshold.
+
+    For a threshold `t`, walk the chain and grow a segment until the bytes its
+    recompute keeps alive (the sum of `saved_bytes`) would pass `t`; then close
+    it at the smallest activation inside it, so that the held outputs are small.
+    To prefer recomputing cheap layers, the layers with the highest forward cost
+    per saved byte (none, the top 10% or the top 25%) stay stored. Thresholds
+    run over 32 values from the smallest layer to the whole chain; the plan that
+    stores everything is a candidate too.
+
+    Args:
+        chain: the cost model.
+        budget: None: the candidate with the least peak (ties: least cost).
+            Otherwise: the cheapest candidate whose peak fits (ties: least peak).
+
+    Returns:
+        The plan, with `strategy="heuristic"`.
+
+    Raises:
+        InfeasibleBudgetError: no candidate fits the budget; `minimum` is the
+            least candidate peak.
+
+    Example:
+        >>> chain = Chain.homogeneous(16, activation_bytes=1)
+        >>> heuristic(chain, 12).peak_bytes <= 12
+        True
+    """
+    _check_chain("heuristic", chain)
+    limit = None if budget is None else _parse_budget(budget, api="heuristic", name="budget")
+    n = chain.n
+    saved = chain.saved_bytes
+    act = (chain.input_bytes, *chain.output_bytes)
+    ratio = [cost / max(kept, 1) for cost, kept in zip(chain.forward_cost, saved)]
+    by_ratio = sorted(range(n), key=lambda i: (-ratio[i], i))
+    low = max(min(saved), 1)
+    high = max(sum(saved), low)
+    thresholds = sorted(
+        {round(low * (high / low) ** (i / (_THRESHOLDS - 1))) for i in range(_THRESHOLDS)}
+    )
+    candidates: set[tuple[tuple[int, int], ...]] = {()}
+    for share in _STORED_SHARES:
+        stored = set(by_ratio[: int(share * n)])
+        for threshold in thresholds:
+            candidates.add(_greedy(n, saved, act, stored, threshold))
+    scored = []
+    for segments in candidates:
+        peak, cost = estimate(chain, segments)
+        scored.append((peak, cost, segments))
+    if limit is None:
+        peak, cost, segments = min(scored, key=lambda x: (x[0], x[1], len(x[2]), x[2]))
+    else:
+        fitting = [x for x in scored if x[0] <= limit]
+        if not fitting:
+            own = min(x[0] for x in scored)
+            raise infeasible("heuristic", budget, limit, own=own, least=min_peak(chain))
+        peak, cost, segments = min(fitting, key=lambda x: (x[1], x[0], len(x[2]), x[2]))
+    return Plan(segments, peak_bytes=peak, recompute_cost=cost, strategy="heuristic", chain=chain)
+
+
+def _greedy(
+    n: int,
+    saved: tuple[int, ...],
+    act: tuple[int, ...],
+    stored: set[int],
+    threshold: int,
+) -> tuple[tuple[int, int], ...]:
+    """Chen's walk for one threshold; see `heuristic`."""
+    segments: list[tuple[int, int]] = []
+    start: int | None = None
+    kept = 0
+    i = 0
+    while i < n:
+        if i in stored:
+            if start is not None:
+                segments.append((start, i))
+                start = None
+            i += 1
+            continue
+        if start is None:
+            start, kept = i, 0
+        kept += saved[i]
+        if kept > threshold and i > start:
+            # Close at the smallest activation among the possible ends start+1..i.
+            end = min(range(start + 1, i + 1), key=lambda e: (act[e], -e))
+            segments.append((start, end))
+            start = None
+            i = end
+            continue
+        i += 1
+    if start is not None:
+        segments.append((start, n))
+    return tuple(segments)
+
+
+def _uniform_segments(n: int, size: int) -> tuple[tuple[int, int], ...]:
+    return tuple((s, min(s + size, n)) for s in range(0, n, size))
+
+
+def _fixed_plan(
+    api: str, chain: Chain, segments: tuple[tuple[int, int], ...], budget: Budget | None
+) -> Plan:
+    _check_chain(api, chain)
+    peak, cost = estimate(chain, segments)
+    if budget is not None:
+        limit = _parse_budget(budget, api=api, name="budget")
+        if peak > limit:
+            raise infeasible(api, budget, limit, own=peak, least=min_peak(chain))
+    return Plan(segments, peak_bytes=peak, recompute_cost=cost, strategy=api, chain=chain)
+
+
+def _check_chain(api: str, chain: object) -> None:
+    if not isinstance(chain, Chain):
+        fail(
+            api,
+            "chain must be a Chain",
+            "chain",
+            chain,
+            "Build one with tfrecompute.strategies.Chain(...)",
+            error=TypeError,
+        )
