@@ -87,3 +87,55 @@ def assert_same_training(
         np.testing.assert_allclose(g, w, atol=atol, rtol=1e-5, err_msg=f"output/gradient {index}")
     for variable, g, w in zip(state, got_state, want_state):
         np.testing.assert_allclose(g, w, atol=atol, rtol=1e-5, err_msg=f"state {variable.path}")
+
+
+def normal(shape: Sequence[int], seed: int = 0) -> tf.Tensor:
+    """A float32 tensor of standard normal values (deterministic per seed)."""
+    return tf.constant(np.random.default_rng(seed).normal(size=shape).astype("float32"))
+
+
+def apply_in_order(layers: Sequence[Any]) -> Callable[..., Any]:
+    """`fn(x, training=None)` applying `layers` in order: the unwrapped twin of a block."""
+
+    def fn(x: Any, training: Any = None) -> Any:
+        for layer in layers:
+            x = layer(x, training=training)
+        return x
+
+    return fn
+
+
+def assert_same_fit(
+    models: Sequence[Any],
+    variables: Sequence[Any],
+    x: Any,
+    y: Any,
+    *,
+    epochs: int = 2,
+    batch_size: int = 8,
+    atol: float = 1e-5,
+    **compile_kwargs: Any,
+) -> None:
+    """Asserts that models sharing `variables` train alike with `model.fit`.
+
+    Each model starts from the same values of `variables` (weights, statistics,
+    seed states), is compiled with SGD and `compile_kwargs` and fitted without
+    shuffling; the losses and the final values must agree, and training must
+    have moved the weights.
+    """
+    import keras
+
+    initial = save_state(variables)
+    results = []
+    for model in models:
+        load_state(variables, initial)
+        compile_kwargs.setdefault("loss", "mse")
+        model.compile(optimizer=keras.optimizers.SGD(0.1), **compile_kwargs)
+        history = model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
+        results.append((history.history["loss"], save_state(variables)))
+    (want_loss, want_state), *others = results
+    for loss, state in others:
+        np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+        for variable, got, want in zip(variables, state, want_state):
+            np.testing.assert_allclose(got, want, atol=atol, err_msg=variable.path)
+    assert any(not np.allclose(a, b) for a, b in zip(want_state, initial))

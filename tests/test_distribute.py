@@ -153,14 +153,6 @@ class Scale(keras.layers.Layer):
         return x * self.scale
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="RecomputeBlock.build(*args, **kwargs) receives no shape: Keras passes "
-    "build() the input shape only when build names one parameter, so a block holding "
-    "a custom layer builds its layers at its first call. A first call outside "
-    "strategy.scope() (model(x)) then creates plain variables, and model.fit fails "
-    "with a bare AssertionError in the optimizer's distributed update.",
-)
 def test_block_layers_are_built_with_the_model_in_the_scope(strategy):
     with strategy.scope():
         block = RecomputeBlock([keras.layers.Dense(4), Scale()])

@@ -458,10 +458,6 @@ def test_block_precision_findings_rejects_a_non_block():
         block_precision_findings(keras.layers.Dense(1))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="RecomputeBlock.build does not call block_precision_findings yet (hook pending).",
-)
 def test_block_warns_once_when_built_with_mixed_layers():
     block = RecomputeBlock([keras.layers.Dense(8, dtype="mixed_bfloat16"), keras.layers.Dense(8)])
     with warnings.catch_warnings(record=True) as caught:
@@ -472,12 +468,6 @@ def test_block_warns_once_when_built_with_mixed_layers():
     assert len(messages) == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="RecomputeBlock reports its symbolic output in its own compute dtype "
-    "(Layer.compute_output_spec with compute_output_shape overridden), not the dtype "
-    "its last layer returns.",
-)
 def test_symbolic_block_output_dtype_is_the_real_one():
     keras.config.set_dtype_policy("mixed_bfloat16")
     block = RecomputeBlock([keras.layers.Dense(8), keras.layers.Dense(8, dtype="float32")])

@@ -77,3 +77,30 @@ def test_measure_step_warns_when_nothing_was_recorded():
     with pytest.warns(UserWarning, match="recorded no memory"):
         result = measure_step(model, np.ones((2, 4), "float32"), np.ones((2, 4), "float32"))
     assert result.peak_bytes == 0
+
+
+def test_block_with_only_integer_inputs_still_saves_memory():
+    """Token ids in, nothing floating: the recompute must not merge with the forward.
+
+    With no floating input, nothing ordered the first block's recompute after
+    the incoming gradient, and graph optimisation merged its ops with the
+    forward's: its activations stayed alive through the whole backward.
+    """
+
+    def build(blocked):
+        keras.utils.set_random_seed(0)
+        layers = [keras.layers.Embedding(100, 128)]
+        layers += [keras.layers.Dense(128, activation="gelu") for _ in range(9)]
+        if blocked:  # the first block's only input is the token ids
+            layers = [RecomputeBlock(layers[i : i + 3 + (i == 0)]) for i in (0, 4, 7)]
+        model = keras.Sequential(
+            [keras.Input((64,), dtype="int32"), *layers, keras.layers.GlobalAveragePooling1D()]
+        )
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    ids = np.random.default_rng(0).integers(0, 100, size=(256, 64)).astype("int32")
+    y = np.zeros((256, 128), "float32")
+    plain = measure_step(build(False), ids, y)
+    blocked = measure_step(build(True), ids, y)
+    assert blocked.peak_bytes <= 0.5 * plain.peak_bytes, (blocked, plain)

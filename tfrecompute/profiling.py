@@ -100,12 +100,22 @@ def measure_step(
                 f"measure_step: `{name}` must be a positive integer. Received: "
                 f"{name}={value!r} (of type {type(value).__name__}). Pass {name}=1 or more."
             )
+    if x is None:
+        raise ValueError(
+            "measure_step: `x` is missing. Received: x=None (of type NoneType). Pass one "
+            "batch of inputs, e.g. x[:batch_size]."
+        )
+    if device is not None and not isinstance(device, str):
+        raise TypeError(
+            f"measure_step: `device` must be a device name. Received: device={device!r} "
+            f'(of type {type(device).__name__}). Pass e.g. device="GPU:0" or "CPU:0".'
+        )
     device = device or default_device()
-    if not tf.config.list_logical_devices(device.split(":")[0]):
+    known = [d.name.split("device:")[-1] for d in tf.config.list_logical_devices()]
+    if device.replace("/device:", "").upper() not in [k.upper() for k in known]:
         raise ValueError(
             f"measure_step: no {device} device is available. Received: device={device!r} "
-            f"(of type str). Use one of "
-            f"{[d.name.split('device:')[-1] for d in tf.config.list_logical_devices()]}."
+            f"(of type str). Use one of {known}."
         )
 
     with tf.device(device):
