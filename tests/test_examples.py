@@ -47,3 +47,11 @@ def test_mixed_precision_example(capsys):
     assert keras.config.dtype_policy().name == "float32"  # the example restores the policy
     assert "check_precision(naive): 4 finding(s)" in out and "is not a LossScaleOptimizer" in out
     assert "check_precision(fixed): 0 finding(s)" in out and "loss scale now" in out
+
+
+def test_functional_rewrite(capsys):
+    args = ["--layers", "2", "--sequence", "32", "--hidden", "64", "--batch-size", "32"]
+    _load("functional_rewrite").main(args)
+    out = capsys.readouterr().out
+    assert "Plan 'optimal'" in out and "recomputed" in out
+    assert "checkpointed" in out and "of the memory" in out

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 
+from tfrecompute import strategies
 from tfrecompute.errors import (
     InfeasibleBudgetError,
     NonReplayableRandomnessError,
@@ -23,10 +24,12 @@ __all__ = [
     "NonReplayableRandomnessError",
     "TfrecomputeError",
     "__version__",
+    "strategies",
 ]
 
 if importlib.util.find_spec("tensorflow") is not None:
     from tfrecompute.layers import RecomputeBlock
+    from tfrecompute.models import plan, profile, recompute
     from tfrecompute.precision import PrecisionFinding, check_precision
     from tfrecompute.profiling import StepMeasurement, measure_step
 
@@ -36,4 +39,7 @@ if importlib.util.find_spec("tensorflow") is not None:
         "StepMeasurement",
         "check_precision",
         "measure_step",
+        "plan",
+        "profile",
+        "recompute",
     ]

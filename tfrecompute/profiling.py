@@ -146,3 +146,127 @@ def measure_step(
         device=device,
         steps=steps,
     )
+
+
+# --------------------------------------------------------------------- profile
+
+
+def _spec(tensor: Any, batch_size: int) -> tf.TensorSpec:
+    shape = [batch_size if dim is None else dim for dim in tensor.shape]
+    return tf.TensorSpec(shape, keras.backend.standardize_dtype(tensor.dtype))
+
+
+def _static_bytes(tensor: tf.Tensor) -> int:
+    if not tensor.shape.is_fully_defined():
+        return 0
+    return int(tensor.shape.num_elements()) * tensor.dtype.size
+
+
+# Forward ops whose outputs are not activations: inputs, variable reads, constants.
+_NOT_ACTIVATIONS = frozenset({"Placeholder", "ReadVariableOp", "Const", "Shape", "VarHandleOp"})
+# Ops whose output shares its input's buffer: a kept output of one is its input.
+_ALIASES = frozenset({"Identity", "IdentityN", "Reshape", "Squeeze", "ExpandDims", "StopGradient"})
+
+
+def _buffer(tensor: tf.Tensor) -> tf.Tensor:
+    """The tensor whose buffer `tensor` shares (itself unless it is a view)."""
+    while tensor.op.type in _ALIASES and tensor.op.inputs:
+        tensor = tensor.op.inputs[0 if tensor.op.type != "IdentityN" else tensor.value_index]
+    return tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class CallMemory:
+    """What one layer call keeps for its backward, read from its gradient graph.
+
+    Attributes:
+        kept_bytes: activations made inside the call (neither its inputs nor
+            its outputs) that its backward reads.
+        workspace_bytes: the largest other temporary its backward creates.
+        reads_inputs: per tensor argument, whether its backward reads it.
+        reads_outputs: per output, whether its backward reads it.
+    """
+
+    kept_bytes: int
+    workspace_bytes: int
+    reads_inputs: tuple[bool, ...]
+    reads_outputs: tuple[bool, ...]
+
+
+def call_memory(
+    layer: keras.layers.Layer, args: Any, kwargs: Any, outputs: Any, batch_size: int
+) -> CallMemory:
+    """Finds what one layer call keeps alive for its backward.
+
+    Traces the call (in training mode) and its gradient with respect to its
+    floating inputs and trainable variables in a `tf.function`, without running
+    it. A forward tensor that a gradient op reads is kept from the forward to
+    the backward; a view (a reshape, an identity) counts as the buffer it
+    shares. This is what TensorFlow keeps between the two passes.
+
+    Args:
+        layer: the layer called.
+        args, kwargs: the call's arguments, with `keras.KerasTensor`s for tensors.
+        outputs: the call's symbolic outputs.
+        batch_size: the size of the leading `None` dimension.
+    """
+    symbolic = [t for t in keras.tree.flatten((args, kwargs)) if isinstance(t, keras.KerasTensor)]
+    symbolic = list({id(t): t for t in symbolic}.values())
+    flat_outputs = keras.tree.flatten(outputs)
+    specs = [_spec(t, batch_size) for t in symbolic] + [_spec(t, batch_size) for t in flat_outputs]
+    trace: dict[str, Any] = {}
+
+    def step(*values: tf.Tensor) -> None:
+        inputs, output_grads = values[: len(symbolic)], values[len(symbolic) :]
+        mapping = {id(t): v for t, v in zip(symbolic, inputs)}
+
+        def substitute(value: Any) -> Any:
+            return mapping[id(value)] if isinstance(value, keras.KerasTensor) else value
+
+        call_kwargs = keras.tree.map_structure(substitute, kwargs)
+        if layer._call_has_training_arg:
+            call_kwargs["training"] = True
+        with tf.GradientTape() as tape:
+            for value in inputs:
+                if value.dtype.is_floating:
+                    tape.watch(value)
+            call_args = keras.tree.map_structure(substitute, args)
+            results = keras.tree.flatten(layer(*call_args, **call_kwargs))
+        trace["forward_ops"] = len(tf.compat.v1.get_default_graph().get_operations())
+        trace["inputs"] = [_buffer(v).ref() for v in inputs]
+        trace["outputs"] = [_buffer(r).ref() for r in results]
+        pairs = [(r, g) for r, g in zip(results, output_grads) if r.dtype.is_floating]
+        sources = [v for v in inputs if v.dtype.is_floating] + list(layer.trainable_variables)
+        if pairs and sources:
+            tape.gradient([r for r, _ in pairs], sources, output_gradients=[g for _, g in pairs])
+
+    graph = tf.function(step, autograph=False).get_concrete_function(*specs).graph
+    operations = graph.get_operations()
+    split = trace["forward_ops"]
+    forward = {t.ref() for op in operations[:split] for t in op.outputs}
+    read: dict[Any, tf.Tensor] = {}
+    for op in operations[split:]:
+        for tensor in op.inputs:
+            if tensor.ref() in forward:
+                root = _buffer(tensor)
+                read[root.ref()] = root
+    boundary = set(trace["inputs"]) | set(trace["outputs"])
+    kept = [
+        t for key, t in read.items() if key not in boundary and t.op.type not in _NOT_ACTIVATIONS
+    ]
+    # Gradients shaped like the call's inputs or outputs are counted by the
+    # memory model already; the workspace is the largest other temporary.
+    io_shapes = {tuple(spec.shape) for spec in specs}
+    backward = [
+        t
+        for op in operations[split:]
+        if op.type not in _ALIASES
+        for t in op.outputs
+        if tuple(t.shape) not in io_shapes
+    ]
+    return CallMemory(
+        kept_bytes=sum(_static_bytes(t) for t in kept),
+        workspace_bytes=max((_static_bytes(t) for t in backward), default=0),
+        reads_inputs=tuple(key in read for key in trace["inputs"]),
+        reads_outputs=tuple(key in read for key in trace["outputs"]),
+    )

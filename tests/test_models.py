@@ -1,0 +1,234 @@
+"""recompute(), plan() and profile() on Sequential and Functional models."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfrecompute
+from tests import models_zoo
+from tests.helpers import MODES, assert_same_training
+from tfrecompute import RecomputeBlock
+from tfrecompute.graph import LayerGraph
+
+
+def _blocks(model):
+    return [layer for layer in model.layers if isinstance(layer, RecomputeBlock)]
+
+
+def _same_training(model, rewritten, inputs, mode, atol=1e-5):
+    def run(m):
+        def fn(*xs, training=None):
+            return m(list(xs) if len(xs) > 1 else xs[0], training=training)
+
+        return fn
+
+    assert_same_training(
+        run(rewritten),
+        run(model),
+        inputs,
+        model.trainable_variables,
+        model.non_trainable_variables,
+        mode,
+        atol=atol,
+    )
+
+
+def _mlp(depth=8, width=32, dropout=True):
+    layers = []
+    for _ in range(depth):
+        layers.append(keras.layers.Dense(width, activation="tanh"))
+        if dropout:
+            layers.append(keras.layers.Dropout(0.2))
+    return keras.Sequential([keras.Input((width,)), *layers, keras.layers.Dense(3)])
+
+
+def _x(shape, seed=0):
+    return tf.constant(np.random.default_rng(seed).normal(size=shape).astype("float32"))
+
+
+# ---------------------------------------------------------------- Sequential
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sequential_sqrt_rewrite_matches_original(mode):
+    model = _mlp()
+    rewritten = tfrecompute.recompute(model, "sqrt")
+    assert isinstance(rewritten, keras.Sequential)
+    blocks = _blocks(rewritten)
+    assert 2 <= len(blocks) <= len(model.layers)
+    # The rewrite shares the original's variables: no copies.
+    ids = {id(v) for v in model.trainable_variables}
+    assert {id(v) for v in rewritten.trainable_variables} == ids
+    _same_training(model, rewritten, [_x((4, 32))], mode)
+
+
+def test_rewrite_with_an_explicit_plan():
+    model = _mlp(depth=3, dropout=False)
+    chain = tfrecompute.profile(model, batch_size=8)
+    plan = tfrecompute.strategies.Plan.from_segments(chain, [(0, 2)])
+    rewritten = tfrecompute.recompute(model, plan)
+    assert [type(layer).__name__ for layer in rewritten.layers] == [
+        "RecomputeBlock",
+        "Dense",
+        "Dense",
+    ]
+    assert [layer.name for layer in _blocks(rewritten)[0].layers] == [
+        model.layers[0].name,
+        model.layers[1].name,
+    ]
+
+
+def test_none_strategy_recomputes_nothing():
+    model = _mlp(depth=3)
+    assert _blocks(tfrecompute.recompute(model, "none")) == []
+
+
+# ---------------------------------------------------------------- Functional
+
+
+def _two_in_two_out():
+    a = keras.Input((8,), name="a")
+    b = keras.Input((4,), name="b")
+    h = a
+    for _ in range(6):
+        h = keras.layers.Dense(8, activation="tanh")(h)
+    shared = keras.layers.Dense(8)
+    g = shared(keras.layers.Dense(8)(b))
+    g = shared(g)  # a shared layer, called twice
+    s = keras.layers.Concatenate()([h, g])
+    return keras.Model({"a": a, "b": b}, {"main": keras.layers.Dense(2)(s), "aux": g})
+
+
+def test_functional_multi_io_and_shared_layer():
+    model = _two_in_two_out()
+    graph = LayerGraph.of(model)
+    assert "dense_shared" not in graph.names  # names are unique per call
+    assert len(graph.names) == len(set(graph.names))
+    rewritten = tfrecompute.recompute(model, "sqrt")
+    assert _blocks(rewritten)
+    x = {"a": _x((3, 8)), "b": _x((3, 4), seed=1)}
+    for key in ("main", "aux"):
+        np.testing.assert_allclose(rewritten(x)[key], model(x)[key], atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_functional_gradients_with_every_segment(mode):
+    model = _two_in_two_out()
+    graph = LayerGraph.of(model)
+    chain = tfrecompute.profile(model, batch_size=3)
+    plan = tfrecompute.strategies.Plan.from_segments(chain, [(0, len(graph))])
+    rewritten = tfrecompute.recompute(model, plan)
+
+    def run(m):
+        def fn(a, b, training=None):
+            return m({"a": a, "b": b}, training=training)
+
+        return fn
+
+    assert_same_training(
+        run(rewritten),
+        run(model),
+        [_x((3, 8)), _x((3, 4), seed=1)],
+        model.trainable_variables,
+        [],
+        mode,
+    )
+
+
+def test_nested_functional_model_as_a_layer():
+    inner_in = keras.Input((8,))
+    inner = keras.Model(inner_in, keras.layers.Dense(8, activation="relu")(inner_in), name="inner")
+    x_in = keras.Input((8,))
+    h = x_in
+    for _ in range(4):
+        h = inner(keras.layers.Dense(8)(h))
+    model = keras.Model(x_in, h)
+    rewritten = tfrecompute.recompute(model, "sqrt")
+    x = _x((2, 8))
+    np.testing.assert_allclose(rewritten(x), model(x), atol=1e-6)
+
+
+def test_long_skips_go_around_blocks():
+    model = models_zoo.unet(size=16, depth=2)
+    graph = LayerGraph.of(model)
+    concat = next(i for i, name in enumerate(graph.names) if name.startswith("concatenate"))
+    # A segment over the bottom of the U keeps the outer skip out of its block.
+    inputs, outputs = graph.segment_io(concat - 3, concat + 1)
+    assert len(outputs) == 1
+    assert len(inputs) == 2
+
+
+def test_subclassed_model_is_rejected():
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(2)
+
+        def call(self, x):
+            return self.dense(x)
+
+    net = Net()
+    net(tf.ones((1, 2)))
+    with pytest.raises(
+        TypeError, match=r"recompute: a subclassed model cannot be traced.*RecomputeBlock"
+    ):
+        tfrecompute.recompute(net)
+
+
+def test_unbuilt_model_is_rejected():
+    model = keras.Sequential([keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match=r"plan: the model is not built"):
+        tfrecompute.plan(model)
+
+
+def test_budget_needs_a_batch_size():
+    with pytest.raises(ValueError, match=r"recompute: a memory budget needs the batch size"):
+        tfrecompute.recompute(_mlp(depth=2), "optimal", budget="1MiB")
+
+
+@pytest.mark.parametrize("batch_size", [0, -3, 2.5, True])
+def test_bad_batch_size(batch_size):
+    with pytest.raises(ValueError, match=r"profile: `batch_size` must be a positive integer"):
+        tfrecompute.profile(_mlp(depth=2), batch_size=batch_size)
+
+
+def test_plan_for_another_model_is_rejected():
+    plan = tfrecompute.plan(_mlp(depth=2), "sqrt")
+    with pytest.raises(
+        ValueError, match=r"the plan was made for another model: its chain has \d+ links"
+    ):
+        tfrecompute.recompute(_mlp(depth=5), plan)
+
+
+def test_unknown_strategy_lists_the_valid_ones():
+    with pytest.raises(ValueError, match=r"optimal"):
+        tfrecompute.recompute(_mlp(depth=2), "fastest")
+
+
+# ------------------------------------------------------------------ profile
+
+
+def test_profile_counts_bytes_from_shapes_and_dtypes():
+    model = _mlp(depth=2, dropout=True)
+    chain = tfrecompute.profile(model, batch_size=16)
+    assert chain.names == tuple(layer.name for layer in model.layers)
+    assert chain.input_bytes == 16 * 32 * 4
+    assert chain.output_bytes[0] == 16 * 32 * 4
+    # A Dropout keeps its boolean mask (1 byte per element) for its backward.
+    assert chain.saved_bytes[1] == chain.output_bytes[1] + 16 * 32
+    # Dense(tanh) keeps only its output (tanh's gradient reads it).
+    assert chain.saved_bytes[0] == chain.output_bytes[0]
+    assert chain.forward_cost[0] == pytest.approx(2 * (32 * 32 + 32) * 16)
+
+
+def test_profile_halves_bytes_under_a_16_bit_policy():
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    try:
+        model = _mlp(depth=2, dropout=False)
+    finally:
+        keras.config.set_dtype_policy("float32")
+    chain = tfrecompute.profile(model, batch_size=16)
+    assert chain.output_bytes[0] == 16 * 32 * 2

@@ -1,0 +1,270 @@
+"""Checkpoint whole models: `profile`, `plan` and `recompute`."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import keras
+
+from tfrecompute import strategies
+from tfrecompute.graph import LayerGraph, tensor_bytes
+from tfrecompute.profiling import CallMemory, call_memory
+
+__all__ = ["plan", "profile", "recompute"]
+
+StrategyLike = str | Callable[..., strategies.Plan] | strategies.Plan
+
+
+def _check_batch_size(api: str, batch_size: Any, *, required_for: str | None = None) -> int | None:
+    if batch_size is None:
+        if required_for:
+            raise ValueError(
+                f"{api}: {required_for} needs the batch size, because activation bytes grow "
+                "with it. Received: batch_size=None (of type NoneType). Pass the batch size "
+                "you train with, e.g. batch_size=64."
+            )
+        return None
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(
+            f"{api}: `batch_size` must be a positive integer. Received: batch_size="
+            f"{batch_size!r} (of type {type(batch_size).__name__}). Pass e.g. batch_size=64."
+        )
+    return batch_size
+
+
+def _estimated_flops(layer: keras.layers.Layer, outputs: list[Any], batch_size: int) -> float:
+    """Forward FLOPs of a call, estimated from its weights and output size.
+
+    A layer with weights does about 2 * weights multiply-adds per output
+    position (Dense, convolutions, attention projections); a layer without
+    weights (or a lookup like Embedding) about one operation per output element.
+    """
+    elements = sum(math.prod(batch_size if d is None else d for d in o.shape) for o in outputs)
+    weights = sum(math.prod(v.shape) for v in layer.trainable_variables)
+    if not weights or isinstance(layer, keras.layers.Embedding) or not outputs:
+        return float(max(elements, 1))
+    channels = outputs[0].shape[-1] or 1
+    return float(2 * weights * max(elements // channels, 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class _ModelChain:
+    """A model's chain: links are runs of layer calls (`groups[k]` = calls [start, stop))."""
+
+    graph: LayerGraph
+    chain: strategies.Chain
+    groups: tuple[tuple[int, int], ...]
+
+    def call_segments(self, segments: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+        return [(self.groups[s][0], self.groups[e - 1][1]) for s, e in segments]
+
+
+def _symbolic_args(call: Any) -> list[keras.KerasTensor]:
+    flat = keras.tree.flatten((call.args, call.kwargs))
+    return list({id(t): t for t in flat if isinstance(t, keras.KerasTensor)}.values())
+
+
+def _profile_graph(graph: LayerGraph, batch_size: int) -> _ModelChain:
+    # NOTE [ Links of the chain ]
+    # A tensor that no backward reads (a BatchNormalization output feeding a
+    # ReLU, whose gradient reads the ReLU's output) is freed as soon as its
+    # consumer ran. A segment boundary there would force keeping it (a block
+    # stores its inputs), so such a call is merged with the next one into one
+    # link. A link's saved bytes count each tensor that some backward reads
+    # once, at its producer, plus what its calls keep inside.
+    cache: dict[tuple[Any, ...], CallMemory] = {}
+    memories = []
+    for call in graph.calls:
+        args = _symbolic_args(call)
+        key = (id(call.layer), tuple((tuple(t.shape), str(t.dtype)) for t in args))
+        if key not in cache:
+            cache[key] = call_memory(call.layer, call.args, call.kwargs, call.outputs, batch_size)
+        memories.append(cache[key])
+    needed: set[int] = set()
+    for call, memory in zip(graph.calls, memories):
+        needed.update(id(t) for t, read in zip(call.outputs, memory.reads_outputs) if read)
+        needed.update(id(t) for t, read in zip(_symbolic_args(call), memory.reads_inputs) if read)
+
+    def size(tensor: keras.KerasTensor) -> int:
+        return tensor_bytes(tensor.shape, tensor.dtype, batch_size)
+
+    groups: list[tuple[int, int]] = []
+    start = 0
+    for index, call in enumerate(graph.calls):
+        transient = all(
+            id(t) not in needed and not graph.tensors[id(t)].is_output for t in call.outputs
+        )
+        if not transient or index == len(graph.calls) - 1:
+            groups.append((start, index + 1))
+            start = index + 1
+
+    names = graph.names
+    output_bytes, saved_bytes, workspace_bytes, costs, link_names = [], [], [], [], []
+    for first, stop in groups:
+        _, live_out = graph.segment_io(first, stop)
+        out = sum(size(graph.tensors[key].tensor) for key in live_out)
+        saved = sum(memories[i].kept_bytes for i in range(first, stop))
+        saved += sum(
+            size(t) for i in range(first, stop) for t in graph.calls[i].outputs if id(t) in needed
+        )
+        output_bytes.append(out)
+        saved_bytes.append(max(saved, out))
+        workspace_bytes.append(max(memories[i].workspace_bytes for i in range(first, stop)))
+        costs.append(
+            sum(
+                _estimated_flops(graph.calls[i].layer, graph.calls[i].outputs, batch_size)
+                for i in range(first, stop)
+            )
+        )
+        link_names.append(
+            "+".join(names[first:stop])
+            if stop - first <= 3
+            else f"{names[first]}+…+{names[stop - 1]}"
+        )
+    input_bytes = sum(size(t) for t in graph.model.inputs)
+    chain = strategies.Chain(
+        input_bytes,
+        output_bytes,
+        saved_bytes,
+        costs,
+        workspace_bytes=workspace_bytes,
+        names=link_names,
+    )
+    return _ModelChain(graph, chain, tuple(groups))
+
+
+def profile(model: keras.Model, batch_size: int) -> strategies.Chain:
+    """The cost chain of a Sequential or Functional model at a batch size.
+
+    Each layer call of the model, in topological order, is one link of the
+    chain: the bytes of its outputs (from their shapes and the compute dtype,
+    so they halve under a float16 or bfloat16 policy), the bytes it keeps alive
+    for its backward (read from the call's traced gradient graph: what
+    TensorFlow really keeps, e.g. a Dropout's boolean mask, a GELU's
+    intermediates), and its forward cost in estimated FLOPs.
+
+    Args:
+        model: a built `keras.Sequential` or Functional model.
+        batch_size: the training batch size.
+
+    Returns:
+        A `tfrecompute.strategies.Chain` with the layer names as `names`.
+
+    Example:
+
+    ```python
+    chain = tfrecompute.profile(model, batch_size=32)
+    print(chain.n, sum(chain.saved_bytes))
+    ```
+    """
+    batch_size = _check_batch_size("profile", batch_size, required_for="profile")
+    assert batch_size is not None
+    return _profile_graph(LayerGraph.of(model, api="profile"), batch_size).chain
+
+
+def _resolve_plan(
+    api: str, graph: LayerGraph, strategy: StrategyLike, budget: Any, batch_size: Any
+) -> tuple[strategies.Plan, _ModelChain]:
+    batch_size = _check_batch_size(
+        api, batch_size, required_for="a memory budget" if budget is not None else None
+    )
+    if isinstance(strategy, strategies.Plan):
+        if budget is not None:
+            raise ValueError(
+                f"{api}: a Plan already fixes the segments, so a budget has no effect. "
+                f"Received: budget={budget!r} (of type {type(budget).__name__}). Pass either "
+                "a Plan or a strategy with a budget."
+            )
+    else:
+        chosen = strategies.get(strategy)
+    # Without a batch size the bytes are those of one sample: the proportions,
+    # which is all a budget-free strategy needs.
+    model_chain = _profile_graph(graph, batch_size or 1)
+    if isinstance(strategy, strategies.Plan):
+        if strategy.chain.names != model_chain.chain.names:
+            raise ValueError(
+                f"{api}: the plan was made for another model: its chain has "
+                f"{strategy.chain.n} links ({strategy.chain.names[0]} ...), this model's has "
+                f"{model_chain.chain.n} ({model_chain.chain.names[0]} ...). Received: "
+                f"strategy={strategy!r}. Make the plan with tfrecompute.plan(model, ...) "
+                "for this model."
+            )
+        return strategy, model_chain
+    return chosen(model_chain.chain, budget=budget), model_chain
+
+
+def plan(
+    model: keras.Model,
+    strategy: StrategyLike = "sqrt",
+    *,
+    budget: int | str | None = None,
+    batch_size: int | None = None,
+) -> strategies.Plan:
+    """Plans which layer calls of a model to recompute, without changing the model.
+
+    Args:
+        model: a built `keras.Sequential` or Functional model.
+        strategy: a strategy name (see `tfrecompute.strategies.available()`), a
+            strategy callable `(chain, budget=None) -> Plan`, or a `Plan`.
+        budget: the most activation memory the step may use, in bytes or as a
+            string like `"2GiB"`; needs `batch_size`.
+        batch_size: the training batch size.
+
+    Returns:
+        The `Plan`; `plan.summary()` names the layers of each segment and gives
+        the predicted peak and recompute cost.
+
+    Example:
+
+    ```python
+    p = tfrecompute.plan(model, "optimal", budget="1GiB", batch_size=64)
+    print(p.summary())
+    ```
+    """
+    chosen, _ = _resolve_plan(
+        "plan", LayerGraph.of(model, api="plan"), strategy, budget, batch_size
+    )
+    return chosen
+
+
+def recompute(
+    model: keras.Model,
+    strategy: StrategyLike = "sqrt",
+    *,
+    budget: int | str | None = None,
+    batch_size: int | None = None,
+) -> keras.Model:
+    """Returns a checkpointed model: runs of layers grouped into `RecomputeBlock`s.
+
+    The new model shares the original's layers and variables (no copies):
+    training one trains the other. Each segment of the plan becomes a
+    `RecomputeBlock` around a Functional sub-model of those layer calls (a
+    plain list of layers for a Sequential model); tensors that only pass by a
+    segment (long skip connections) go around its block.
+
+    Args:
+        model: a built `keras.Sequential` or Functional model. Subclassed
+            models cannot be traced: wrap their parts in `RecomputeBlock`.
+        strategy: a strategy name, a strategy callable, or a `Plan` made by
+            `tfrecompute.plan` for this model.
+        budget: the most activation memory the step may use (bytes or a
+            string like `"2GiB"`); needs `batch_size`.
+        batch_size: the training batch size.
+
+    Returns:
+        A new `keras.Model` (a `keras.Sequential` for a Sequential model).
+
+    Example:
+
+    ```python
+    checkpointed = tfrecompute.recompute(model, "optimal", budget="1GiB", batch_size=64)
+    checkpointed.compile(optimizer="adam", loss="mse")
+    checkpointed.fit(x, y, batch_size=64)
+    ```
+    """
+    graph = LayerGraph.of(model, api="recompute")
+    chosen, model_chain = _resolve_plan("recompute", graph, strategy, budget, batch_size)
+    return graph.rewrite(model_chain.call_segments(chosen.segments))
