@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfrecompute import RecomputeBlock, measure_step
+import tfrecompute
+from tfrecompute import RecomputeBlock, measure_step, strategies
 from tfrecompute.layers import set_debug
 
 CONVENTION = re.compile(
@@ -193,16 +194,132 @@ MEASURE_STEP_CASES = {
     ),
 }
 
+
+def _mlp(depth=2):
+    return keras.Sequential([keras.Input((4,)), *[keras.layers.Dense(4) for _ in range(depth)]])
+
+
+class _Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(2)
+
+    def call(self, x):
+        return self.dense(x)
+
+
+def _built_subclassed():
+    model = _Subclassed()
+    model(tf.ones((1, 2)))
+    return model
+
+
+MODEL_CASES = {
+    "recompute_not_a_model": (
+        lambda: tfrecompute.recompute(keras.layers.Dense(2)),
+        TypeError,
+        r"recompute: `model` must be a Keras Sequential or Functional model",
+    ),
+    "recompute_subclassed": (
+        lambda: tfrecompute.recompute(_built_subclassed()),
+        TypeError,
+        r"recompute: a subclassed model cannot be traced.*RecomputeBlock",
+    ),
+    "plan_unbuilt": (
+        lambda: tfrecompute.plan(keras.Sequential([keras.layers.Dense(2)])),
+        ValueError,
+        r"plan: the model is not built",
+    ),
+    "recompute_budget_without_batch_size": (
+        lambda: tfrecompute.recompute(_mlp(), "optimal", budget="1MiB"),
+        ValueError,
+        r"recompute: a memory budget needs the batch size.*Received: batch_size=None",
+    ),
+    "profile_batch_size_zero": (
+        lambda: tfrecompute.profile(_mlp(), batch_size=0),
+        ValueError,
+        r"profile: `batch_size` must be a positive integer\. Received: batch_size=0",
+    ),
+    "profile_batch_size_float": (
+        lambda: tfrecompute.profile(_mlp(), batch_size=2.5),
+        ValueError,
+        r"Received: batch_size=2\.5 \(of type float\)",
+    ),
+    "recompute_plan_of_another_model": (
+        lambda: tfrecompute.recompute(_mlp(5), tfrecompute.plan(_mlp(2))),
+        ValueError,
+        r"recompute: the plan was made for another model",
+    ),
+    "recompute_plan_with_budget": (
+        lambda: tfrecompute.recompute(
+            _mlp(), tfrecompute.plan(_mlp()), budget="1MiB", batch_size=2
+        ),
+        ValueError,
+        r"recompute: a Plan already fixes the segments",
+    ),
+    "recompute_unknown_strategy": (
+        lambda: tfrecompute.recompute(_mlp(), "fastest"),
+        ValueError,
+        r"fastest.*optimal",
+    ),
+}
+
+_CHAIN = strategies.Chain.homogeneous(4, activation_bytes=1 << 20)
+
+STRATEGY_CASES = {
+    "chain_lengths_disagree": (
+        lambda: strategies.Chain(1, [1, 2], [1], [1.0, 1.0]),
+        ValueError,
+        r"Chain: ",
+    ),
+    "chain_negative_bytes": (
+        lambda: strategies.Chain(-1, [1], [1], [1.0]),
+        ValueError,
+        r"Chain: ",
+    ),
+    "budget_malformed": (
+        lambda: strategies.parse_budget("lots"),
+        ValueError,
+        r"parse_budget: .*Received: value='lots'",
+    ),
+    "budget_not_positive": (
+        lambda: strategies.parse_budget(0),
+        ValueError,
+        r"parse_budget: .*Received: value=0",
+    ),
+    "strategy_unknown": (lambda: strategies.get("fastest"), ValueError, r"get: .*optimal"),
+    "strategy_not_callable": (lambda: strategies.get(3), TypeError, r"get: "),
+    "uniform_k_zero": (lambda: strategies.uniform(0), ValueError, r"uniform: "),
+    "segments_overlap": (
+        lambda: strategies.Plan.from_segments(_CHAIN, [(0, 2), (1, 3)]),
+        ValueError,
+        r"Plan\.from_segments: ",
+    ),
+    "segments_out_of_range": (
+        lambda: strategies.Plan.from_segments(_CHAIN, [(2, 9)]),
+        ValueError,
+        r"Plan\.from_segments: ",
+    ),
+    "budget_infeasible": (
+        lambda: strategies.optimal(_CHAIN, budget=1024),
+        strategies.InfeasibleBudgetError,
+        r"optimal: .*least peak",
+    ),
+}
+
 CASES = {
     **{f"RecomputeBlock.{k}": v for k, v in RECOMPUTE_BLOCK_CASES.items()},
     **{f"measure_step.{k}": v for k, v in MEASURE_STEP_CASES.items()},
+    **{f"models.{k}": v for k, v in MODEL_CASES.items()},
+    **{f"strategies.{k}": v for k, v in STRATEGY_CASES.items()},
 }
 
 
 def _own_message(error: BaseException) -> str:
     """The library's message, without Keras's wrapping of errors raised in `call()`."""
     lines = [re.sub(r"\x1b\[\d+m", "", line).strip() for line in str(error).splitlines()]
-    apis = ("RecomputeBlock", "measure_step", "set_debug")
+    apis = ("RecomputeBlock", "measure_step", "set_debug", "recompute", "plan", "profile")
+    apis += ("Chain", "parse_budget", "get", "uniform", "Plan.from_segments", "optimal")
     return next((line for line in lines if line.startswith(apis)), str(error))
 
 

@@ -176,7 +176,7 @@ def _resolve_plan(
             raise ValueError(
                 f"{api}: a Plan already fixes the segments, so a budget has no effect. "
                 f"Received: budget={budget!r} (of type {type(budget).__name__}). Pass either "
-                "a Plan or a strategy with a budget."
+                "a Plan or a strategy name with a budget."
             )
     else:
         chosen = strategies.get(strategy)
@@ -189,8 +189,8 @@ def _resolve_plan(
                 f"{api}: the plan was made for another model: its chain has "
                 f"{strategy.chain.n} links ({strategy.chain.names[0]} ...), this model's has "
                 f"{model_chain.chain.n} ({model_chain.chain.names[0]} ...). Received: "
-                f"strategy={strategy!r}. Make the plan with tfrecompute.plan(model, ...) "
-                "for this model."
+                f"strategy={strategy!r} (of type Plan). Make the plan with "
+                "tfrecompute.plan(model, ...) for this model."
             )
         return strategy, model_chain
     return chosen(model_chain.chain, budget=budget), model_chain
