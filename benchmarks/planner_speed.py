@@ -14,6 +14,10 @@ Two families of chains, both from a fixed seed:
 * "blocks": repeated conv/batch-norm/relu blocks in stages that halve the
   activation size, costs proportional to the size. Many equal layers, as in
   real models.
+* "residual": the "random" layers with residual shortcuts (every third
+  layer's output is carried three layers, to the layer that adds it back) and
+  random parameter-gradient sizes, so segments hold carries and backward
+  moments hold gradients.
 
 For each chain, `optimal` is timed at budgets spread between `min_peak` and the
 peak of storing everything (share 0 is the least peak), next to `heuristic` (the
@@ -88,7 +92,28 @@ def block_chain(n: int, seed: int) -> Chain:
     return Chain(base, outputs, saved, costs, names=names)
 
 
-FAMILIES: dict[str, Callable[[int, int], Chain]] = {"random": random_chain, "blocks": block_chain}
+def residual_chain(n: int, seed: int) -> Chain:
+    """The random layers plus residual carries and parameter gradients."""
+    base = random_chain(n, seed)
+    rng = random.Random(seed + 1)
+    carries = [(i, i + 3, base.output_bytes[i]) for i in range(0, n - 2, 3)]
+    return Chain(
+        base.input_bytes,
+        base.output_bytes,
+        base.saved_bytes,
+        base.forward_cost,
+        workspace_bytes=base.workspace_bytes,
+        names=base.names,
+        carries=carries,
+        grad_bytes=[int(2 ** rng.uniform(12, 22)) for _ in range(n)],
+    )
+
+
+FAMILIES: dict[str, Callable[[int, int], Chain]] = {
+    "random": random_chain,
+    "blocks": block_chain,
+    "residual": residual_chain,
+}
 
 
 def best_of(repeats: int, fn: Callable[[], T]) -> tuple[float, T]:

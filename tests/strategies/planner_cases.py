@@ -66,8 +66,23 @@ def pareto(table: list[tuple[int, Fraction, int, Segments]]) -> list[tuple[int, 
     )
 
 
+def random_carries(rng: random.Random, n: int, sizes: list[int]) -> list[tuple[int, int, int]]:
+    """Up to n // 2 skip connections, each carrying bytes drawn from `sizes`."""
+    if n < 2:
+        return []
+    carries = []
+    for _ in range(rng.randint(0, n // 2)):
+        producer = rng.randrange(0, n - 1)
+        carries.append((producer, rng.randint(producer + 2, n), rng.choice(sizes)))
+    return carries
+
+
 def random_chain(rng: random.Random, n: int, *, scale: int = 1) -> Chain:
-    """A heterogeneous chain with small integer sizes (many ties) and mixed costs."""
+    """A heterogeneous chain with small integer sizes (many ties) and mixed costs.
+
+    It has random carries (some larger than their producer's saved bytes) and
+    parameter gradients.
+    """
     outputs = [rng.choice([0, 1, 2, 3, 5, 8, 13]) * scale for _ in range(n)]
     saved = [o + rng.choice([0, 0, 1, 4, 9]) * scale for o in outputs]
     workspace = [rng.choice([0, 0, 2, 6]) * scale for _ in range(n)]
@@ -78,29 +93,55 @@ def random_chain(rng: random.Random, n: int, *, scale: int = 1) -> Chain:
         [rng.choice(COSTS) for _ in range(n)],
         workspace_bytes=workspace,
         overhead_bytes=rng.choice([0, 3]) * scale,
+        carries=random_carries(rng, n, [s * scale for s in (0, 1, 3, 8, 20, 40)]),
+        grad_bytes=[rng.choice([0, 0, 1, 3]) * scale for _ in range(n)],
     )
 
 
-def wide_chain(rng: random.Random, n: int) -> Chain:
-    """A heterogeneous chain with realistic byte ranges and distinct float costs."""
+def wide_chain(rng: random.Random, n: int, *, skips: bool = False) -> Chain:
+    """A heterogeneous chain with realistic byte ranges and distinct float costs.
+
+    With `skips`: residual-like carries (each a producer's output, carried 2 to 4
+    layers) and parameter gradients.
+    """
     outputs = [rng.randrange(1 << 16, 1 << 22) for _ in range(n)]
+    carries = []
+    if skips:
+        for i in range(0, n - 2, 3):
+            carries.append((i, min(n, i + rng.randint(2, 4)), outputs[i]))
     return Chain(
         rng.randrange(1 << 16, 1 << 22),
         outputs,
         [o + rng.randrange(0, 2 * o) for o in outputs],
         [rng.uniform(0.1, 10.0) for _ in range(n)],
         workspace_bytes=[rng.randrange(0, o) if rng.random() < 0.5 else 0 for o in outputs],
+        carries=carries,
+        grad_bytes=[rng.randrange(0, 1 << 20) for _ in range(n)] if skips else None,
     )
 
 
 @hs.composite
 def chains(draw: hs.DrawFn, *, max_layers: int = 8, min_layers: int = 1) -> Chain:
-    """Hypothesis strategy: heterogeneous chains with small sizes and mixed costs."""
+    """Hypothesis strategy: heterogeneous chains with small sizes and mixed costs.
+
+    Up to four random carries (some larger than their producer's saved bytes)
+    and random parameter gradients.
+    """
     n = draw(hs.integers(min_layers, max_layers))
     outputs = draw(hs.lists(hs.integers(0, 20), min_size=n, max_size=n))
     extra = draw(hs.lists(hs.sampled_from([0, 0, 1, 3, 10]), min_size=n, max_size=n))
     workspace = draw(hs.lists(hs.sampled_from([0, 0, 0, 2, 7]), min_size=n, max_size=n))
     costs = draw(hs.lists(hs.sampled_from(COSTS), min_size=n, max_size=n))
+    grads = draw(hs.lists(hs.sampled_from([0, 0, 1, 4, 15]), min_size=n, max_size=n))
+    carries = []
+    if n >= 2:
+        for _ in range(draw(hs.integers(0, min(4, n)))):
+            producer = draw(hs.integers(0, n - 2))
+            consumer = draw(hs.integers(producer + 2, n))
+            # Small carries fit in their producer's saved bytes; large ones do not
+            # (then a segment's forward moments can set the peak).
+            size = draw(hs.sampled_from([0, 2, 5, 12, 40, 100]))
+            carries.append((producer, consumer, size))
     return Chain(
         draw(hs.integers(0, 20)),
         outputs,
@@ -108,4 +149,6 @@ def chains(draw: hs.DrawFn, *, max_layers: int = 8, min_layers: int = 1) -> Chai
         costs,
         workspace_bytes=workspace,
         overhead_bytes=draw(hs.sampled_from([0, 0, 5])),
+        carries=carries,
+        grad_bytes=grads,
     )

@@ -49,6 +49,34 @@ def test_explicit_options() -> None:
     )
 
 
+def test_carries_and_grad_bytes() -> None:
+    chain = Chain(
+        1,
+        [2, 3, 4, 5],
+        [2, 3, 4, 5],
+        [1.0] * 4,
+        carries=[[1, 4, np.int64(7)], (0, 2, 3), (0, 2, 1.0)],
+        grad_bytes=np.array([1, 0, 2, 0]),
+    )
+    assert chain.carries == ((0, 2, 1), (0, 2, 3), (1, 4, 7))  # sorted tuples of ints
+    assert all(type(x) is int for carry in chain.carries for x in carry)
+    assert chain.grad_bytes == (1, 0, 2, 0) and all(type(x) is int for x in chain.grad_bytes)
+    # C(s, e): carries made by layers s..e-2 and used at or after layer e.
+    assert chain.carried_bytes(0, 2) == 4  # both (0, 2, .) carries, made by layer 0 < 1
+    # (0, 2, .) are used last by layer 2 < 3; (1, 4, 7) is made by layer 1 < 2, used at 4.
+    assert chain.carried_bytes(0, 3) == 7
+    assert chain.carried_bytes(1, 4) == 7 and chain.carried_bytes(2, 4) == 0
+    assert chain.carried_bytes(0, 1) == 0 and chain.carried_bytes(0, 4) == 7
+    plain = Chain(1, [2], [2], [1.0])
+    assert plain.carries == () and plain.grad_bytes == (0,)
+    assert plain != Chain(1, [2], [2], [1.0], grad_bytes=[5])
+    assert hash(chain) == hash(
+        Chain(
+            1, [2, 3, 4, 5], [2, 3, 4, 5], [1.0] * 4, carries=chain.carries, grad_bytes=[1, 0, 2, 0]
+        )
+    )
+
+
 def test_homogeneous() -> None:
     chain = Chain.homogeneous(3, activation_bytes=64, cost=2.0)
     assert chain == Chain(64, [64] * 3, [64] * 3, [2.0] * 3)
@@ -141,6 +169,15 @@ GOOD = dict(input_bytes=1, output_bytes=[2, 3], saved_bytes=[2, 5], forward_cost
         ),
         ({"names": ["a", 3]}, TypeError, r"names\[1\] is not a string"),
         ({"names": ["a", ""]}, ValueError, r"names\[1\] is empty"),
+        ({"grad_bytes": [1]}, ValueError, r"^Chain: grad_bytes has 1 entries but the chain has 2"),
+        (
+            {"grad_bytes": [1, -2]},
+            ValueError,
+            r"^Chain: grad_bytes\[1\] must not be negative\. Received: grad_bytes\[1\]=-2 "
+            r"\(of type int\)\. Pass an int >= 0\.$",
+        ),
+        ({"grad_bytes": [1, 0.5]}, ValueError, r"grad_bytes\[1\] must be a finite whole number"),
+        ({"grad_bytes": 3}, TypeError, r"^Chain: grad_bytes must be a sequence"),
     ],
 )
 def test_validation_errors(changes: dict[str, object], error: type[Exception], match: str) -> None:
@@ -171,3 +208,67 @@ def test_validation_errors(changes: dict[str, object], error: type[Exception], m
 def test_homogeneous_errors(kwargs: dict[str, object], error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         Chain.homogeneous(**kwargs)  # type: ignore[arg-type]
+
+
+FOUR = dict(input_bytes=1, output_bytes=[1] * 4, saved_bytes=[1] * 4, forward_cost=[1.0] * 4)
+
+
+@pytest.mark.parametrize(
+    ("carries", "error", "match"),
+    [
+        (
+            [(0, 3, 8), (1, 2, 8)],
+            ValueError,
+            r"^Chain: carries\[1\] has last_consumer 2, outside 3\.\.4; a carry skips at least "
+            r"one layer and last_consumer=n means needed until the end\. Received: "
+            r"carries\[1\]=\(1, 2, 8\) \(of type tuple\)\. Keep producer \+ 2 <= last_consumer "
+            r"<= n \(a tensor used only by the next layer is its output, not a carry\)\.$",
+        ),
+        ([(0, 5, 8)], ValueError, r"^Chain: carries\[0\] has last_consumer 5, outside 2\.\.4"),
+        ([(3, 4, 8)], ValueError, r"^Chain: carries\[0\] has last_consumer 4, outside 5\.\.4"),
+        (
+            [(-1, 2, 8)],
+            ValueError,
+            r"^Chain: carries\[0\] has producer -1, outside the chain's layers 0\.\.3\. "
+            r"Received: carries\[0\]=\(-1, 2, 8\) \(of type tuple\)\. Keep 0 <= producer <= 2\.$",
+        ),
+        ([(4, 6, 8)], ValueError, r"^Chain: carries\[0\] has producer 4, outside"),
+        (
+            [(0, 2, -8)],
+            ValueError,
+            r"^Chain: carries\[0\]\[2\] must not be negative\. Received: carries\[0\]\[2\]=-8 "
+            r"\(of type int\)\. Pass an int >= 0\.$",
+        ),
+        ([(0, 2, 1.5)], ValueError, r"^Chain: carries\[0\]\[2\] must be a finite whole number"),
+        ([(0, 2, "8")], TypeError, r"^Chain: carries\[0\]\[2\] must be a whole number of bytes"),
+        (
+            [(0, 2)],
+            TypeError,
+            r"^Chain: carries\[0\] is not a \(producer, last_consumer, bytes\) triple of ints\. "
+            r"Received: carries\[0\]=\(0, 2\) \(of type tuple\)\. Pass each carry as a triple "
+            r"of ints, e\.g\. \(2, 5, 4096\)\.$",
+        ),
+        ([(0.0, 2, 8)], TypeError, r"carries\[0\] is not a \(producer, last_consumer, bytes\)"),
+        ([(0, True, 8)], TypeError, r"carries\[0\] is not a \(producer, last_consumer, bytes\)"),
+        ([3], TypeError, r"^Chain: carries\[0\] is not a"),
+        (
+            "02",
+            TypeError,
+            r"^Chain: carries must be a sequence of \(producer, last_consumer, bytes\) triples\. "
+            r"Received: carries='02' \(of type str\)\. Pass e\.g\. \[\(2, 5, 4096\)\], or \(\) "
+            r"for a plain chain\.$",
+        ),
+        (None, TypeError, r"^Chain: carries must be a sequence"),
+        ({0: (0, 2, 1)}, TypeError, r"^Chain: carries must be a sequence"),
+    ],
+)
+def test_carry_errors(carries: object, error: type[Exception], match: str) -> None:
+    kwargs = dict(FOUR)
+    with pytest.raises(error, match=match):
+        Chain(
+            kwargs.pop("input_bytes"),  # type: ignore[arg-type]
+            kwargs.pop("output_bytes"),  # type: ignore[arg-type]
+            kwargs.pop("saved_bytes"),  # type: ignore[arg-type]
+            kwargs.pop("forward_cost"),  # type: ignore[arg-type]
+            carries=carries,  # type: ignore[arg-type]
+        )

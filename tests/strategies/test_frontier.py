@@ -44,8 +44,9 @@ def test_twelve_layers() -> None:
     )
 
 
-def test_endpoints_match_optimal_and_none() -> None:
-    chain = wide_chain(random.Random(4), 40)  # positive costs
+@pytest.mark.parametrize("skips", [False, True])
+def test_endpoints_match_optimal_and_none(skips: bool) -> None:
+    chain = wide_chain(random.Random(4), 40, skips=skips)  # positive costs
     plans = frontier(chain)
     _check_points(chain, plans)
     assert plans[-1].segments == () and plans[-1].peak_bytes == none(chain).peak_bytes

@@ -76,6 +76,25 @@ def test_summary_rows_and_totals() -> None:
     assert lines[7] == "Recompute cost: 44 = 80.0% of one forward pass (total forward cost 55)"
 
 
+def test_summary_held_column_counts_the_carries_of_segments() -> None:
+    # Layer 1's output (2 KiB) is used last by layer 5; layer 3's (4 KiB) by layer 6.
+    chain = Chain(
+        1024,
+        [1024 * (i + 1) for i in range(6)],
+        [1024 * (i + 1) for i in range(6)],
+        [1.0] * 6,
+        carries=[(1, 5, 2048), (3, 6, 4096)],
+    )
+    plan = Plan.from_segments(chain, [(0, 3), (3, 5)])
+    lines = plan.summary().splitlines()
+    # [0, 3): output 3 KiB + carry of layer 1 (1 < 2, used at 5 >= 3): 5 KiB.
+    assert lines[2].split()[-4:] == ["recomputed", "5.00", "KiB", "3"]
+    # [3, 5): output 5 KiB + carry of layer 3 (3 < 4, used at 6 >= 5); the carry of
+    # layer 1 is held by [0, 3), not again here: 9 KiB.
+    assert lines[3].split()[-4:] == ["recomputed", "9.00", "KiB", "2"]
+    assert lines[4].split()[-4:] == ["stored", "6.00", "KiB", "-"]
+
+
 def test_summary_marks_proven_plans_and_zero_cost_chains() -> None:
     chain = Chain(1, [1], [1], [0.0])
     plan = Plan(

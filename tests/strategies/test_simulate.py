@@ -76,6 +76,78 @@ def test_workspace_and_overhead_by_hand() -> None:
     assert simulate(CHAIN_A, [(0, 2)]) == Estimate(174, 3.0)
 
 
+# Chain D: chain B's shape with x0 = 2 bytes, saved bytes 8, 8, 4, a residual
+# carry (layer 0's output, 4 bytes, used last by layer 2) and parameter
+# gradients of 1, 2, 3 bytes: G_0 = 6, G_1 = 5, G_2 = 3, G_3 = 0.
+CHAIN_D = Chain(2, [4, 4, 4], [8, 8, 4], [1.0, 1.0, 1.0], carries=[(0, 2, 4)], grad_bytes=[1, 2, 3])
+
+
+def test_carry_and_gradients_when_storing_everything_by_hand() -> None:
+    # The carry is in saved_0: nothing changes for it; gradients add to backward moments.
+    # forward:  H=2;  L0: 2+8=10, H=10;  L1: 10+8=18, H=18;  L2: 18+4=22, H=22
+    # backward: L2: 22 + 4 + 4 + G_2 3 = 33, H=18;  L1: 18 + 4 + 4 + G_1 5 = 31, H=10;
+    #           L0: 10 + 4 + 2 + G_0 6 = 22.  Step end: 2 + G_0 6 = 8 < 22, folded.
+    assert [e.live_bytes for e in timeline(CHAIN_D, [])] == [10, 18, 22, 33, 31, 22]
+
+
+def test_segment_holding_a_carry_by_hand() -> None:
+    # [0, 2): C(0, 2) = 4 (made by layer 0 < 2 - 1, used last by layer 2 >= 2).
+    # forward:  j=0: 2 + C(0,0) 0 + a_1 4 = 6;  j=1: 2 + C(0,1) 0 + a_1 4 + a_2 4 = 10;
+    #           H = 2 + a_2 4 + C(0,2) 4 = 10;  L2 stored: 10 + 4 = 14, H = 14
+    # backward: L2: 14 + 4 + 4 + G_2 3 = 25, H = 10;  segment: H -= 4 + 4 -> 2
+    #           recompute (G_2 = 3 live, no gradient of the segment yet):
+    #           j=0: 2 + a_2 4 + 8 + 3 = 17;  j=1: 2 + 4 + (8 + 8) + 3 = 25
+    #           backward j=1: 2 + 16 + 4 + 4 + G_1 5 = 31;  j=0: 2 + 8 + 4 + 2 + G_0 6 = 22
+    assert timeline(CHAIN_D, [(0, 2)]) == [
+        MemoryEvent("forward", 0, 6),
+        MemoryEvent("forward", 1, 10),
+        MemoryEvent("forward", 2, 14),
+        MemoryEvent("backward", 2, 25),
+        MemoryEvent("recompute", 0, 17),
+        MemoryEvent("recompute", 1, 25),
+        MemoryEvent("backward", 1, 31),
+        MemoryEvent("backward", 0, 22),
+    ]
+    assert simulate(CHAIN_D, [(0, 2)]) == Estimate(31, 2.0)
+    # [0, 3): the carry is used inside the segment, C(0, 3) = 0, but it is live while
+    # layer 2 runs forward: j=2: 2 + C(0,2) 4 + a_2 4 + a_3 4 = 14.  H = 2 + 4 = 6.
+    # backward: H -= 4 -> 2;  recompute (G_3 = 0): 2 + 4 + 8 = 14, 2 + 4 + 16 = 22,
+    # 2 + 4 + 20 = 26;  backward j=2: 2 + 20 + 4 + 4 + 3 = 33;  then 31 and 22 as above.
+    assert [e.live_bytes for e in timeline(CHAIN_D, [(0, 3)])] == [
+        *(6, 10, 14),
+        *(14, 22, 26),
+        *(33, 31, 22),
+    ]
+
+
+def test_a_large_carry_sets_the_peak_in_a_forward_moment() -> None:
+    # Chain D with a 40-byte carry (larger than anything its producer saves).
+    chain = Chain(2, [4, 4, 4], [8, 8, 4], [1.0] * 3, carries=[(0, 2, 40)], grad_bytes=[1, 2, 3])
+    assert simulate(chain, []).peak_bytes == 33  # stored: part of saved_0, as in chain D
+    # [0, 3): forward j=2: 2 + C(0,2) 40 + a_2 4 + a_3 4 = 50, above every backward moment.
+    events = timeline(chain, [(0, 3)])
+    assert [e.live_bytes for e in events] == [6, 10, 50, 14, 22, 26, 33, 31, 22]
+    assert max(events, key=lambda e: e.live_bytes) == MemoryEvent("forward", 2, 50)
+    # [0, 2): H = 2 + a_2 4 + C(0,2) 40 = 46;  L2: 46 + 4 = 50;  backward L2:
+    # 50 + 4 + 4 + 3 = 61;  then H = 46 - 44 = 2 and the segment as in chain D.
+    assert [e.live_bytes for e in timeline(chain, [(0, 2)])] == [6, 10, 50, 61, 17, 25, 31, 22]
+
+
+def test_a_carry_needed_until_the_end_is_held_past_later_layers_by_hand() -> None:
+    # Layer 0's output (5 bytes as a carry) is used until the end (last_consumer = n = 4).
+    chain = Chain(2, [4, 4, 4, 4], [8, 8, 4, 4], [1.0] * 4, carries=[(0, 4, 5)])
+    assert chain.carried_bytes(0, 2) == 5
+    # forward:  j=0: 2 + 4 = 6;  j=1: 2 + 4 + 4 = 10;  H = 2 + 4 + 5 = 11;
+    #           L2: 11 + 4 = 15, H = 15;  L3: 15 + 4 = 19, H = 19
+    # backward: L3: 19 + 4 + 4 = 27, H = 15;  L2: 15 + 4 + 4 = 23, H = 11;  H -= 9 -> 2
+    #           recompute: 2 + 4 + 8 = 14, 2 + 4 + 16 = 22;  backward: 2 + 16 + 4 + 4 = 26,
+    #           2 + 8 + 4 + 2 = 16
+    assert [e.live_bytes for e in timeline(chain, [(0, 2)])] == [
+        *(6, 10, 15, 19),
+        *(27, 23, 14, 22, 26, 16),
+    ]
+
+
 def test_homogeneous_docstring_values() -> None:
     chain = Chain.homogeneous(4, activation_bytes=100)
     assert simulate(chain, []) == (700, 0.0)
@@ -96,6 +168,11 @@ def test_simulate_is_the_max_of_timeline(chain: Chain, data: hs.DataObject) -> N
     assert [e.layer for e in events if e.phase == "forward"] == list(range(chain.n))
     assert sorted(e.layer for e in events if e.phase == "recompute") == recomputed
     assert sorted(e.layer for e in events if e.phase == "backward") == list(range(chain.n))
+    # The step-end moment (input held, every parameter gradient live) is folded into
+    # the backward of layer 0, which is never below it.
+    assert events[-1][:2] == ("backward", 0)
+    end = chain.overhead_bytes + chain.input_bytes + sum(chain.grad_bytes)
+    assert events[-1].live_bytes >= end
 
 
 @settings(deadline=None, max_examples=60)
@@ -114,8 +191,9 @@ def test_element_formula_matches_simulate(chain: Chain, data: hs.DataObject) -> 
     elements += [(i, i + 1, False) for i in range(position, chain.n)]
     for s, e, recomputed in elements:
         if recomputed:
-            width, row = pb.row(s, pb.inf)
-            local, kept = int(row[e - s - 1]), chain.activation_bytes(e)
+            width, row, holds = pb.row(s, pb.inf)
+            local, kept = int(row[e - s - 1]), int(holds[e - s - 1])
+            assert kept == chain.activation_bytes(e) + chain.carried_bytes(s, e)
         else:
             local, kept = int(pb.Lst[s]), chain.saved_bytes[s]
         peak = max(peak, held + local)

@@ -1,25 +1,41 @@
 """Exact search over single-level plans: a vectorized Pareto-label DP (private).
 
 NOTE [ The element formula ]
-    In the model of `memory.py`, every forward moment of an element is
-    dominated by a backward moment of the same element at the same held memory
-    (`saved_i >= output_bytes[i]` is what makes this true), so the peak of a plan
-    with elements `k = 1..m` is
+    In the model of `memory.py`, the peak of a plan with elements `k = 1..m` is
 
         overhead + max_k (P_k + L_k),    P_1 = a_0,   P_{k+1} = P_k + h_k
 
     where `h_k` is what the element holds between its forward and backward
-    (`saved_i` for a stored layer, `a_e` for a segment `[s, e)`) and `L_k` its
-    local peak above the memory held before it:
+    (`saved_i` for a stored layer, `h(s, e) = a_e + C(s, e)` for a segment
+    `[s, e)`) and `L_k` its local peak above the memory held before it. Both
+    passes of element `k` see the same held memory `P_k` (its backward starts
+    after it released `h_k`), and `h`, `L` depend on the element alone (a carry
+    is held by the segment that makes it, or sits in a stored producer's
+    `saved_bytes`), which is what makes a DP over positions exact:
 
-        stored i:   L = saved_i + a_{i+1} + a_i + ws_i
-        [s, e):     L = max_{s<=j<e} max(a_e + S(s..j) + ws_j,
-                                         S(s..j) + a_{j+1} + a_j + ws_j)
+        stored i:   L = saved_i + a_{i+1} + a_i + ws_i + G_i
+        [s, e):     L = max_{s<=j<e} max(a_e + G_e + S(s..j) + ws_j,           (recompute)
+                                         S(s..j) + a_{j+1} + a_j + ws_j + G_j, (backward)
+                                         C(s, j) + [j>s] a_j + a_{j+1} + ws_j) (forward)
 
-    with `S(s..j) = saved_s + ... + saved_j`. With prefix sums `Ss`, the inner
-    terms are `g1[j] - Ss[s]` and `g2[j] - Ss[s]` for arrays `g1`, `g2` that do
-    not depend on `s`, so a whole row `L(s, s+1..n)` costs two running maxima.
-    Tests check this formula against `simulate` on random plans.
+    with `S(s..j) = saved_s + ... + saved_j`. A stored layer's forward moment
+    `saved_i + ws_i` is below its backward one. `G` only adds to backward-phase
+    moments, so it never breaks a domination. A segment's forward moment of
+    layer `j` holds `C(s, j)`, the carries made by layers `s..j-2`; when every
+    layer's outgoing carries fit in its `saved_bytes` (`Problem.forward_dominated`,
+    true for realistic chains where a carried tensor is part of its producer's
+    output), `C(s, j) <= S(s..j-2)` and the forward term is below the backward
+    one, so it is skipped. The step-end moment `a_0 + G_0` is below layer 0's
+    backward moment, whatever the plan.
+
+    With prefix sums `Ss`, the recompute and backward terms are `g1[j] - Ss[s]`
+    and `g2[j] - Ss[s]` for arrays `g1`, `g2` that do not depend on `s`, so a
+    whole row `L(s, s+1..n)` costs two running maxima. `C(s, .)` does depend on
+    `s`: `Problem` keeps the row `C(s, x)` for all `x` and moves it from `s` to
+    `s - 1` by adding each carry made by layer `s - 1` on `x in [s + 1, j]` (a
+    slice add), so a pass over all positions costs `O(n + carries)` slice adds;
+    the forward term is then a third running maximum. Tests check this formula
+    against `simulate` on random plans.
 
 NOTE [ Labels ]
     A suffix of a plan starting at position `s` is summarised by a label
@@ -35,9 +51,12 @@ NOTE [ Labels ]
       * `R <= B - minP(s)`, `minP(s)` the least memory any feasible prefix holds
         at `s` (a forward DP, exact because feasibility is monotone in held
         memory);
-      * anchor: any prefix holds at most `P0(s) = a_0 + Ss[s]` (everything
-        stored), so among labels with `R <= B - P0(s)` only the cheapest matters
-        (labels of equal cost but lower `R` are kept for the peak tie-break);
+      * anchor: any prefix holds at most `P0(s) = a_0 + sum_{i<s} U_i` with
+        `U_i = max(saved_i, carries made by i)` (a segment `[s', e)` holds
+        `a_e + C(s', e) <= saved_{e-1} + sum_{s'<=i<e-1} carries made by i`;
+        without large carries this is `a_0 + Ss[s]`, everything stored), so among
+        labels with `R <= B - P0(s)` only the cheapest matters (labels of equal
+        cost but lower `R` are kept for the peak tie-break);
       * cost: labels costing more than a known feasible plan.
 
 NOTE [ Bounded work ]
@@ -57,6 +76,7 @@ NOTE [ Bounded work ]
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from fractions import Fraction
@@ -98,15 +118,22 @@ class Problem:
     big_cost: Any
     a: Array
     saved: Array
+    ws: Array
     Lst: Array
     g1: Array
     g2: Array
+    aG: Array
     Ss: Array
     P0: Array
     Cs: Array
     a0: int
     overhead: int
     bound: int
+    carries: tuple[tuple[int, int, int], ...]
+    carry_first: list[int]
+    forward_dominated: bool
+    carry_at: int
+    carry_row: Array
 
     @classmethod
     def from_chain(cls, chain: Chain) -> Problem:
@@ -114,7 +141,15 @@ class Problem:
         act = [chain.input_bytes, *chain.output_bytes]
         saved = list(chain.saved_bytes)
         ws = list(chain.workspace_bytes)
-        bound = 2 * (sum(act) + sum(saved) + sum(ws)) + 1  # above any peak - overhead
+        grads = [0] * (n + 1)  # grads[k] = G_k
+        for k in range(n - 1, -1, -1):
+            grads[k] = grads[k + 1] + chain.grad_bytes[k]
+        carried_out = [0] * n  # bytes of the carries each layer makes
+        for i, _, size in chain.carries:
+            carried_out[i] += size
+        upper = [max(kept, out) for kept, out in zip(saved, carried_out)]
+        total = sum(act) + sum(saved) + sum(ws) + sum(carried_out) + grads[0]
+        bound = 2 * total + 1  # above any peak - overhead
         bytes_fit = (n + 2) * (4 * bound + 8) < _LIMIT
 
         exact = [Fraction(c) for c in chain.forward_cost]
@@ -144,12 +179,16 @@ class Problem:
         a = arr(act)
         sv = arr(saved)
         wk = arr(ws)
+        G = arr(grads)
         Ss = np.concatenate([arr([0]), np.cumsum(sv)])
         g1 = Ss[1:] + wk
-        g2 = Ss[1:] + a[1:] + a[:-1] + wk
-        Lst = sv + a[1:] + a[:-1] + wk
+        g2 = Ss[1:] + a[1:] + a[:-1] + wk + G[:-1]
+        Lst = sv + a[1:] + a[:-1] + wk + G[:-1]
         Cs = np.concatenate([arr([0]), np.cumsum(arr(weights))]) * fold
         big_cost = 2 * fold * (sum(weights) + 1) + 4
+        # carries[carry_first[i]:] are those made by layers >= i (sorted by producer).
+        producers = [i for i, _, _ in chain.carries]
+        carry_first = [bisect.bisect_left(producers, i) for i in range(n + 1)]
         return cls(
             n=n,
             fold=fold,
@@ -159,27 +198,66 @@ class Problem:
             big_cost=big_cost,
             a=a,
             saved=sv,
+            ws=wk,
             Lst=Lst,
             g1=g1,
             g2=g2,
+            aG=a + G,
             Ss=Ss,
-            P0=chain.input_bytes + Ss,
+            P0=chain.input_bytes + np.concatenate([arr([0]), np.cumsum(arr(upper))]),
             Cs=Cs,
             a0=chain.input_bytes,
             overhead=chain.overhead_bytes,
             bound=bound,
+            carries=chain.carries,
+            carry_first=carry_first,
+            forward_dominated=all(out <= kept for out, kept in zip(carried_out, saved)),
+            carry_at=n,
+            carry_row=np.zeros(n + 2, dtype=dtype),
         )
 
-    def row(self, s: int, cap: Any) -> tuple[int, Array]:
-        """`L(s, e)` for `e = s+1 .. s+W`, `W` the last `e` whose lower bound fits `cap`."""
+    def carried(self, s: int, width: int) -> Array:
+        """`C(s, x)` for `x = s .. s + width` (a view, valid until the next call)."""
+        carries = self.carries
+        row = self.carry_row
+        while self.carry_at > s:  # add the carries made by layer carry_at - 1
+            i = self.carry_at - 1
+            for k in range(self.carry_first[i], self.carry_first[i + 1]):
+                _, j, size = carries[k]
+                row[i + 2 : j + 1] += size
+            self.carry_at = i
+        while self.carry_at < s:  # remove the carries made by layer carry_at
+            i = self.carry_at
+            for k in range(self.carry_first[i], self.carry_first[i + 1]):
+                _, j, size = carries[k]
+                row[i + 2 : j + 1] -= size
+            self.carry_at = i + 1
+        return row[s : s + width + 1]
+
+    def row(self, s: int, cap: Any) -> tuple[int, Array, Array]:
+        """`L(s, e)` and `h(s, e)` for `e = s+1 .. s+W`.
+
+        `W` is the last `e` whose lower bound on `L(s, e)` (the backward terms,
+        nondecreasing in `e`) fits `cap`.
+        """
         M2 = np.maximum.accumulate(self.g2[s:]) - self.Ss[s]
         width = int(np.searchsorted(M2, cap, side="right"))
         M1 = np.maximum.accumulate(self.g1[s : s + width]) - self.Ss[s]
-        return width, np.maximum(M2[:width], self.a[s + 1 : s + 1 + width] + M1)
+        L = np.maximum(M2[:width], self.aG[s + 1 : s + 1 + width] + M1)
+        held = self.a[s + 1 : s + 1 + width]
+        if self.carries and width:
+            C = self.carried(s, width)
+            held = held + C[1:]
+            if not self.forward_dominated:
+                f = C[:-1] + self.a[s : s + width] + self.a[s + 1 : s + 1 + width]
+                f += self.ws[s : s + width]
+                f[0] -= self.a[s]
+                np.maximum(L, np.maximum.accumulate(f), out=L)
+        return width, L, held
 
     def none_peak(self) -> int:
         """Peak of the plan that stores every layer."""
-        return self.overhead + int((self.P0[:-1] + self.Lst).max())
+        return self.overhead + self.a0 + int((self.Ss[:-1] + self.Lst).max())
 
 
 def _rounded(weights: list[int], shift: int) -> list[int]:
@@ -194,17 +272,10 @@ def min_headroom(pb: Problem) -> int:
     best_arr = np.zeros(n + 1, dtype=pb.dtype)
     for s in range(n - 1, -1, -1):
         stored = max(int(pb.Lst[s]), int(pb.saved[s]) + best[s + 1])
-        width, L = pb.row(s, stored)
+        width, L, h = pb.row(s, stored)
         value = stored
         if width:
-            value = min(
-                value,
-                int(
-                    np.maximum(
-                        L, pb.a[s + 1 : s + 1 + width] + best_arr[s + 1 : s + 1 + width]
-                    ).min()
-                ),
-            )
+            value = min(value, int(np.maximum(L, h + best_arr[s + 1 : s + 1 + width]).min()))
         best[s] = value
         best_arr[s] = value
     return best[0]
@@ -218,22 +289,19 @@ def min_held(pb: Problem, limit: int) -> Array:
     n = pb.n
     inf = pb.inf
     held = np.full(n + 1, inf, dtype=pb.dtype)
-    via_segment = np.full(n + 1, inf, dtype=pb.dtype)
     held[0] = pb.a0
     for s in range(n):
-        if s > 0:
-            held[s] = min(held[s], via_segment[s] + pb.a[s])
         here = held[s]
         if here >= inf:
             continue
         cap = limit - here
         if pb.Lst[s] <= cap:
             held[s + 1] = min(held[s + 1], here + pb.saved[s])
-        width, L = pb.row(s, cap)
+        width, L, h = pb.row(s, cap)
         if width:
-            fits = np.flatnonzero(L <= cap) + (s + 1)
-            via_segment[fits] = np.minimum(via_segment[fits], here)
-    held[n] = min(held[n], via_segment[n] + pb.a[n])
+            fits = np.flatnonzero(L <= cap)
+            ends = fits + (s + 1)
+            held[ends] = np.minimum(held[ends], here + h[fits])
     return held
 
 
@@ -328,22 +396,21 @@ def label_pass(
                 )
         n_st = max(hi_st - lo_st, 0)
 
-        # Candidates from a segment [s, e): labels at e with a[e] + R above L(s, e),
+        # Candidates from a segment [s, e): labels at e with h(s, e) + R above L(s, e),
         # plus the one just below (it maps to R' = L(s, e)).
         tot = 0
-        width, L = pb.row(s, cap)
+        width, L, h = pb.row(s, cap)
         if width:
             ends = positions[s + 1 : s + 1 + width]
-            ae = a[s + 1 : s + 1 + width]
             base = (n - ends) * BIG
-            lo = np.searchsorted(KEY[:length], base + (L - ae), side="right") - 1
+            lo = np.searchsorted(KEY[:length], base + (L - h), side="right") - 1
             np.maximum(lo, bs[s + 1 : s + 1 + width], out=lo)
             if ubf is not None:
                 lo_c = np.searchsorted(
                     KC[:length], (n - ends) * BIGC + (BIGC - 1 - (ubf + Cs[s] - 1)), side="left"
                 )
                 np.maximum(lo, lo_c, out=lo)
-            hi = np.searchsorted(KEY[:length], base + (cap - ae), side="right")
+            hi = np.searchsorted(KEY[:length], base + (cap - h), side="right")
             cnt = hi - lo
             cnt[L > cap] = 0
             np.maximum(cnt, 0, out=cnt)
@@ -372,6 +439,8 @@ def label_pass(
             group_start = group_end - counts
             idx = np.repeat(lo[groups] - group_start, counts) + np.arange(tot)
             rs = A[idx]
+            if pb.carries:  # h(s, e) = a[e] + C(s, e); A holds a[e] + R
+                rs += np.repeat((h - a[s + 1 : s + 1 + width])[groups], counts)
             rs[group_start] = np.maximum(rs[group_start], L[groups])
             r[n_st:] = rs
             c[n_st:] = CP[idx] - (Cs[s] - 1)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+import numbers
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from tfrecompute.strategies._checks import (
@@ -37,8 +38,18 @@ class Chain:
         workspace_bytes: transient bytes while layer `i` runs forward or backward.
         backward_cost: cost of layer `i`'s backward pass (informational only).
         overhead_bytes: bytes live at every moment of the step (weights,
-            gradients, optimizer slots...).
+            optimizer slots...; parameter gradients go in `grad_bytes`).
         names: layer names, unique.
+        carries: skip connections, sorted `(producer, last_consumer, bytes)`
+            triples: a tensor of `bytes` made by layer `producer` and used last
+            by layer `last_consumer` (`producer + 2 <= last_consumer <= n`;
+            `n` means needed until the end of the forward pass, e.g. a model
+            output). A recomputed segment must keep such a tensor alive when it
+            is made inside the segment and used after it; a stored producer
+            keeps it in its `saved_bytes` when a backward pass needs it.
+        grad_bytes: bytes of the parameter gradients layer `i` produces in its
+            backward pass (default zeros); they stay alive until the end of the
+            step.
 
     Example:
         >>> chain = Chain(1024, [2048, 2048, 512], [4096, 2048, 512], [1.0, 2.0, 0.5])
@@ -46,6 +57,9 @@ class Chain:
         (3, 'layer_0', 4.0)
         >>> Chain.homogeneous(4, activation_bytes=1024).saved_bytes
         (1024, 1024, 1024, 1024)
+        >>> residual = Chain(8, [8] * 4, [8] * 4, [1.0] * 4, carries=[(0, 3, 8)])
+        >>> residual.carries, residual.carried_bytes(0, 3), residual.carried_bytes(0, 4)
+        (((0, 3, 8),), 8, 0)
     """
 
     input_bytes: int
@@ -56,6 +70,8 @@ class Chain:
     backward_cost: tuple[float, ...]
     overhead_bytes: int
     names: tuple[str, ...]
+    carries: tuple[tuple[int, int, int], ...]
+    grad_bytes: tuple[int, ...]
 
     def __init__(
         self,
@@ -68,6 +84,8 @@ class Chain:
         backward_cost: Iterable[float] | None = None,
         overhead_bytes: int = 0,
         names: Iterable[str] | None = None,
+        carries: Iterable[Sequence[int]] = (),
+        grad_bytes: Iterable[int] | None = None,
     ) -> None:
         """Validates and stores the costs; see the class docstring for the fields.
 
@@ -75,7 +93,8 @@ class Chain:
             TypeError: a value has the wrong type (bools are never numbers here).
             ValueError: lengths disagree, the chain is empty, a value is negative,
                 NaN or infinite, a byte count is fractional, `saved_bytes[i] <
-                output_bytes[i]`, or names repeat.
+                output_bytes[i]`, names repeat, or a carry's layers are out of
+                range or skip no layer.
         """
         inputs = as_byte_count(_API, "input_bytes", input_bytes)
         overhead = as_byte_count(_API, "overhead_bytes", overhead_bytes)
@@ -112,6 +131,8 @@ class Chain:
                     "Set saved_bytes[i] >= output_bytes[i] for every layer",
                 )
         layer_names = tuple(f"layer_{i}" for i in range(n)) if names is None else _names(names, n=n)
+        grads = (0,) * n if grad_bytes is None else _byte_tuple("grad_bytes", grad_bytes, n=n)
+        skips = _carries(carries, n=n)
         object.__setattr__(self, "input_bytes", inputs)
         object.__setattr__(self, "output_bytes", outputs)
         object.__setattr__(self, "saved_bytes", saved)
@@ -120,6 +141,8 @@ class Chain:
         object.__setattr__(self, "backward_cost", backward)
         object.__setattr__(self, "overhead_bytes", overhead)
         object.__setattr__(self, "names", layer_names)
+        object.__setattr__(self, "carries", skips)
+        object.__setattr__(self, "grad_bytes", grads)
 
     @classmethod
     def homogeneous(cls, n: int, *, activation_bytes: int, cost: float = 1.0) -> Chain:
@@ -156,6 +179,21 @@ class Chain:
         """Size of `x_i` for `i` in `0..n`: the input for 0, else `output_bytes[i - 1]`."""
         return self.input_bytes if i == 0 else self.output_bytes[i - 1]
 
+    def carried_bytes(self, start: int, stop: int) -> int:
+        """`C(start, stop)`: bytes of the carries a segment `[start, stop)` must output.
+
+        These are the carries made inside the segment, before its last layer
+        (whose output is `x_stop` itself), and used at or after layer `stop`. A
+        recomputed segment holds `activation_bytes(stop) + carried_bytes(start,
+        stop)` between its forward and its backward pass.
+
+        Example:
+            >>> chain = Chain(1, [1] * 5, [1] * 5, [1.0] * 5, carries=[(1, 4, 7), (2, 5, 3)])
+            >>> chain.carried_bytes(0, 4), chain.carried_bytes(0, 2), chain.carried_bytes(2, 4)
+            (10, 0, 3)
+        """
+        return sum(b for i, j, b in self.carries if start <= i < stop - 1 and j >= stop)
+
 
 def _check_length(name: str, items: tuple[object, ...], n: int | None, values: object) -> None:
     if n is not None and len(items) != n:
@@ -179,6 +217,58 @@ def _cost_tuple(name: str, values: object, *, n: int) -> tuple[float, ...]:
     items = as_sequence(_API, name, values)
     _check_length(name, items, n, values)
     return tuple(as_cost(_API, f"{name}[{i}]", item) for i, item in enumerate(items))
+
+
+def _carries(values: object, *, n: int) -> tuple[tuple[int, int, int], ...]:
+    if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable):
+        fail(
+            _API,
+            "carries must be a sequence of (producer, last_consumer, bytes) triples",
+            "carries",
+            values,
+            "Pass e.g. [(2, 5, 4096)], or () for a plain chain",
+            error=TypeError,
+        )
+    checked: list[tuple[int, int, int]] = []
+    for k, item in enumerate(values):
+        triple = tuple(item) if isinstance(item, (tuple, list)) else None
+        if (
+            triple is None
+            or len(triple) != 3
+            or not all(
+                isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in triple[:2]
+            )
+        ):
+            fail(
+                _API,
+                f"carries[{k}] is not a (producer, last_consumer, bytes) triple of ints",
+                f"carries[{k}]",
+                item,
+                "Pass each carry as a triple of ints, e.g. (2, 5, 4096)",
+                error=TypeError,
+            )
+        producer, consumer = int(triple[0]), int(triple[1])
+        size = as_byte_count(_API, f"carries[{k}][2]", triple[2])
+        if not 0 <= producer < n:
+            fail(
+                _API,
+                f"carries[{k}] has producer {producer}, outside the chain's layers 0..{n - 1}",
+                f"carries[{k}]",
+                item,
+                f"Keep 0 <= producer <= {n - 2}",
+            )
+        if not producer + 2 <= consumer <= n:
+            fail(
+                _API,
+                f"carries[{k}] has last_consumer {consumer}, outside {producer + 2}..{n}; a "
+                "carry skips at least one layer and last_consumer=n means needed until the end",
+                f"carries[{k}]",
+                item,
+                "Keep producer + 2 <= last_consumer <= n (a tensor used only by the next "
+                "layer is its output, not a carry)",
+            )
+        checked.append((producer, consumer, size))
+    return tuple(sorted(checked))
 
 
 def _names(values: object, *, n: int) -> tuple[str, ...]:

@@ -11,29 +11,50 @@ A plan is a sorted list of disjoint half-open *segments* `[s, e)` of recomputed
 layers; every other layer is *stored*. An *element* is a stored layer or a
 segment. Write `a_i` for the size of `x_i` (`a_0 = input_bytes`,
 `a_{i+1} = output_bytes[i]`), `saved_i`, `ws_i` for `saved_bytes[i]` and
-`workspace_bytes[i]`. `overhead_bytes` is added to every moment below. `H` is
-the memory held between layers; it starts at `a_0`.
+`workspace_bytes[i]`, and `S(s..j) = saved_s + ... + saved_j`.
+`overhead_bytes` is added to every moment below. `H` is the memory held
+between layers; it starts at `a_0`.
 
-Forward, elements in order:
+Two terms come from `carries` and `grad_bytes`:
+
+* `C(s, e)` (`Chain.carried_bytes`): the sum of `bytes` over the carries
+  `(i, j, bytes)` with `s <= i < e - 1` and `j >= e`, the skip tensors made
+  inside `[s, e)` (other than its output `x_e`) and still needed at layer `e`.
+  A carry made by a stored layer is part of its `saved_bytes` when a backward
+  pass needs it and is not counted again; one made by layer `e - 1` is `x_e`.
+* `G_k = grad_bytes[k] + ... + grad_bytes[n-1]` (`G_n = 0`): the parameter
+  gradients alive once layer `k`'s backward pass has run (they stay until the
+  optimizer step). It does not depend on the plan and is added to backward-phase
+  moments only.
+
+Forward, elements in order (no gradients are live yet):
 
 * stored layer `i`: while it runs, live = `H + saved_i + ws_i`; then `H += saved_i`.
-* segment `[s, e)`: its layers run one after another and keep nothing; while
-  layer `j` runs, live = `H + (a_j if j > s else 0) + a_{j+1} + ws_j` (its input
-  `a_s` is already held by its producer); then `H += a_e` (the segment keeps
-  only its output).
+* segment `[s, e)`: its layers run one after another and keep nothing but what
+  later layers need: while layer `j` runs, live =
+  `H + C(s, j) + (a_j if j > s else 0) + a_{j+1} + ws_j` (its input `a_s` is
+  already held by its producer; `C(s, j)` are the carries made earlier in the
+  segment and used at or after `j`); then `H += a_e + C(s, e)` (the segment
+  keeps its output and the carries it hands on).
 
 Backward, elements in reverse order; the gradient of the element's output,
 `a_{last + 1}` bytes, is live:
 
-* stored layer `i`: live = `H + a_{i+1} + a_i + ws_i` (gradient of the output
-  and of the input); then `H -= saved_i`.
-* segment `[s, e)`: first `H -= a_e` (the held output is dropped; the
-  recompute makes a fresh copy). Phase "recompute": layers `s..e-1` run
-  forward again, each now stored: while layer `j` runs, live =
-  `H + a_e + (saved_s + ... + saved_j) + ws_j`. Then their backward, layer
-  `j = e-1` down to `s`, as stored layers: live =
-  `H + (saved_s + ... + saved_j) + a_{j+1} + a_j + ws_j`, and `saved_j` is
-  released after it.
+* stored layer `i`: live = `H + a_{i+1} + a_i + ws_i + G_i` (gradients of the
+  output and of the input, and the parameter gradients of layers `i..n-1`);
+  then `H -= saved_i`.
+* segment `[s, e)`: first `H -= a_e + C(s, e)` (the held outputs are dropped; the
+  recompute makes fresh copies). Phase "recompute": layers `s..e-1` run
+  forward again, each now stored, before any of them has produced gradients:
+  while layer `j` runs, live = `H + a_e + S(s..j) + ws_j + G_e`. Then their
+  backward, layer `j = e-1` down to `s`, as stored layers: live =
+  `H + S(s..j) + a_{j+1} + a_j + ws_j + G_j`, and `saved_j` is released after it.
+
+The step ends with the optimizer update, when `H = a_0` and all parameter
+gradients `G_0` are live: `a_0 + G_0`. That moment is part of the model but is
+never above the backward moment of layer 0 (the same plus `saved_0`, the
+gradients of `x_0` and `x_1`, and `ws_0`), so it is folded into it: the timeline
+ends with the backward of layer 0.
 
 The peak is the largest live value over every moment, forward and backward;
 all arithmetic is on exact ints. The recompute cost is the sum of
@@ -46,10 +67,18 @@ Example:
     Estimate(peak_bytes=700, recompute_cost=0.0)
     >>> simulate(chain, [(0, 2), (2, 4)])
     Estimate(peak_bytes=600, recompute_cost=4.0)
+    >>> skip = Chain(100, [100] * 4, [100] * 4, [1.0] * 4, carries=[(0, 3, 100)],
+    ...              grad_bytes=[10] * 4)
+    >>> skip.carried_bytes(0, 2)     # [0, 2) also holds layer 0's output, used by layer 3
+    100
+    >>> simulate(skip, [(0, 2), (2, 4)])   # 3 held + input + 2 gradients + G_3
+    Estimate(peak_bytes=710, recompute_cost=4.0)
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 import numbers
 from collections.abc import Iterable, Iterator, Sequence
@@ -163,7 +192,10 @@ def _events(
     work = chain.workspace_bytes
     base = chain.overhead_bytes
     act = (chain.input_bytes, *out)  # act[i] is the size of x_i
+    grads = _suffix_sums(chain.grad_bytes)  # grads[k] is G_k
     elements = _elements(chain.n, segments)
+    carried: dict[int, list[int]] = {}  # segment start -> [C(s, s), ..., C(s, e)]
+    none = [0] * (chain.n + 1)  # the carry profile of any segment when there are no carries
 
     held = act[0]
     for s, e, recomputed in elements:
@@ -171,24 +203,49 @@ def _events(
             yield ("forward", s, base + held + saved[s] + work[s])
             held += saved[s]
             continue
+        inside = carried[s] = carry_profile(chain, s, e) if chain.carries else none
         for j in range(s, e):
-            transient = (act[j] if j > s else 0) + act[j + 1] + work[j]
+            transient = inside[j - s] + (act[j] if j > s else 0) + act[j + 1] + work[j]
             yield ("forward", j, base + held + transient)
-        held += act[e]
+        held += act[e] + inside[e - s]
 
     for s, e, recomputed in reversed(elements):
         if not recomputed:
-            yield ("backward", s, base + held + act[s + 1] + act[s] + work[s])
+            yield ("backward", s, base + held + act[s + 1] + act[s] + work[s] + grads[s])
             held -= saved[s]
             continue
-        held -= act[e]
+        held -= act[e] + carried[s][e - s]
         again = 0
         for j in range(s, e):
             again += saved[j]
-            yield ("recompute", j, base + held + act[e] + again + work[j])
+            yield ("recompute", j, base + held + act[e] + again + work[j] + grads[e])
         for j in range(e - 1, s - 1, -1):
-            yield ("backward", j, base + held + again + act[j + 1] + act[j] + work[j])
+            live = held + again + act[j + 1] + act[j] + work[j] + grads[j]
+            yield ("backward", j, base + live)
             again -= saved[j]
+
+
+def _suffix_sums(values: Sequence[int]) -> list[int]:
+    """`[sum(values[k:]) for k in range(len(values) + 1)]` in linear time."""
+    sums = list(itertools.accumulate(reversed(values), initial=0))
+    sums.reverse()
+    return sums
+
+
+def carry_profile(chain: Chain, s: int, e: int) -> list[int]:
+    """`[C(s, s), C(s, s + 1), ..., C(s, e)]` in `O(e - s + carries)` (private)."""
+    carries = chain.carries
+    diff = [0] * (e - s + 2)
+    # Carries are sorted by producer; only producers s..e-2 count.
+    for k in range(bisect.bisect_left(carries, (s,)), len(carries)):
+        i, j, size = carries[k]
+        if i > e - 2:
+            break
+        diff[i + 2 - s] += size
+        diff[min(j, e) + 1 - s] -= size
+    profile = list(itertools.accumulate(diff))
+    profile.pop()
+    return profile
 
 
 def _elements(n: int, segments: tuple[tuple[int, int], ...]) -> list[tuple[int, int, bool]]:

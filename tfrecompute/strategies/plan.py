@@ -159,6 +159,10 @@ proven_optimal=False)
     def summary(self) -> str:
         """A readable table of the plan: one row per run of stored layers or segment.
 
+        The "held" column is what a row keeps between its forward and its
+        backward pass: the saved bytes of stored layers; a segment's output plus
+        the carries it hands on (`Chain.carried_bytes`).
+
         Returns:
             The table, then the predicted peak and the recompute overhead.
 
@@ -178,8 +182,8 @@ proven_optimal=False)
         for s, e, recomputed in _runs(chain.n, self.segments):
             span = str(s) if e - s == 1 else f"{s}-{e - 1}"
             names = _abbreviate(chain.names[s:e])
-            if recomputed:
-                held = chain.output_bytes[e - 1]
+            if recomputed:  # its output and the carries it hands on
+                held = chain.output_bytes[e - 1] + chain.carried_bytes(s, e)
                 cost = _number(math.fsum(chain.forward_cost[s:e]))
                 rows.append((span, names, "recomputed", format_bytes(held), cost))
             else:

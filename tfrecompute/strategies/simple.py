@@ -13,7 +13,7 @@ import math
 from tfrecompute.strategies._checks import as_positive_int, fail
 from tfrecompute.strategies.budget import _parse_budget
 from tfrecompute.strategies.chain import Chain
-from tfrecompute.strategies.memory import estimate
+from tfrecompute.strategies.memory import carry_profile, estimate
 from tfrecompute.strategies.optimize import infeasible, min_peak
 from tfrecompute.strategies.plan import Budget, Plan, Strategy
 
@@ -105,7 +105,8 @@ def heuristic(chain: Chain, budget: Budget | None = None) -> Plan:
 
     For a threshold `t`, walk the chain and grow a segment until the bytes its
     recompute keeps alive (the sum of `saved_bytes`) would pass `t`; then close
-    it at the smallest activation inside it, so that the held outputs are small.
+    it where it holds the least (its output plus the carries it hands on), so
+    that the held outputs are small.
     To prefer recomputing cheap layers, the layers with the highest forward cost
     per saved byte (none, the top 10% or the top 25%) stay stored. Thresholds
     run over 32 values from the smallest layer to the whole chain; the plan that
@@ -132,7 +133,6 @@ def heuristic(chain: Chain, budget: Budget | None = None) -> Plan:
     limit = None if budget is None else _parse_budget(budget, api="heuristic", name="budget")
     n = chain.n
     saved = chain.saved_bytes
-    act = (chain.input_bytes, *chain.output_bytes)
     ratio = [cost / max(kept, 1) for cost, kept in zip(chain.forward_cost, saved)]
     by_ratio = sorted(range(n), key=lambda i: (-ratio[i], i))
     low = max(min(saved), 1)
@@ -144,7 +144,7 @@ def heuristic(chain: Chain, budget: Budget | None = None) -> Plan:
     for share in _STORED_SHARES:
         stored = set(by_ratio[: int(share * n)])
         for threshold in thresholds:
-            candidates.add(_greedy(n, saved, act, stored, threshold))
+            candidates.add(_greedy(chain, stored, threshold))
     scored = []
     for segments in candidates:
         peak, cost = estimate(chain, segments)
@@ -160,14 +160,12 @@ def heuristic(chain: Chain, budget: Budget | None = None) -> Plan:
     return Plan(segments, peak_bytes=peak, recompute_cost=cost, strategy="heuristic", chain=chain)
 
 
-def _greedy(
-    n: int,
-    saved: tuple[int, ...],
-    act: tuple[int, ...],
-    stored: set[int],
-    threshold: int,
-) -> tuple[tuple[int, int], ...]:
+def _greedy(chain: Chain, stored: set[int], threshold: int) -> tuple[tuple[int, int], ...]:
     """Chen's walk for one threshold; see `heuristic`."""
+    n = chain.n
+    saved = chain.saved_bytes
+    act = (chain.input_bytes, *chain.output_bytes)
+    no_carries = [0] * (n + 1)
     segments: list[tuple[int, int]] = []
     start: int | None = None
     kept = 0
@@ -183,8 +181,10 @@ def _greedy(
             start, kept = i, 0
         kept += saved[i]
         if kept > threshold and i > start:
-            # Close at the smallest activation among the possible ends start+1..i.
-            end = min(range(start + 1, i + 1), key=lambda e: (act[e], -e))
+            # Close where the segment holds least, among the possible ends start+1..i.
+            first = start
+            carried = carry_profile(chain, first, i + 1) if chain.carries else no_carries
+            end = min(range(first + 1, i + 1), key=lambda e: (act[e] + carried[e - first], -e))
             segments.append((start, end))
             start = None
             i = end
