@@ -260,8 +260,8 @@ def _elements(n: int, segments: tuple[tuple[int, int], ...]) -> list[tuple[int, 
     return elements
 
 
-def check_segments(api: str, chain: object, segments: object) -> tuple[tuple[int, int], ...]:
-    """Validates segments against a chain; returns them as a tuple of int pairs."""
+def check_chain(api: str, chain: object) -> Chain:
+    """Returns `chain`; raises a TypeError naming `api` unless it is a `Chain`."""
     if not isinstance(chain, Chain):
         fail(
             api,
@@ -271,6 +271,12 @@ def check_segments(api: str, chain: object, segments: object) -> tuple[tuple[int
             "Build one with tfrecompute.strategies.Chain(...)",
             error=TypeError,
         )
+    return chain
+
+
+def check_segments(api: str, chain: object, segments: object) -> tuple[tuple[int, int], ...]:
+    """Validates segments against a chain; returns them as a tuple of int pairs."""
+    chain = check_chain(api, chain)
     if isinstance(segments, (str, bytes)) or not isinstance(segments, Iterable):
         fail(
             api,

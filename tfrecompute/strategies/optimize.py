@@ -26,7 +26,7 @@ from tfrecompute.strategies import _solver
 from tfrecompute.strategies._checks import fail, received
 from tfrecompute.strategies.budget import _parse_budget, format_bytes
 from tfrecompute.strategies.chain import Chain
-from tfrecompute.strategies.memory import estimate
+from tfrecompute.strategies.memory import check_chain, estimate
 from tfrecompute.strategies.plan import Budget, Plan
 
 __all__ = ["DEFAULT_MAX_WORK", "frontier", "min_peak", "optimal"]
@@ -50,7 +50,7 @@ def min_peak(chain: Chain) -> int:
         >>> min_peak(Chain.homogeneous(9, activation_bytes=100))
         700
     """
-    _check_chain("min_peak", chain)
+    check_chain("min_peak", chain)
     return _least_peak(_solver.Problem.from_chain(chain))
 
 
@@ -81,7 +81,7 @@ def optimal(
         >>> plan.segments, plan.peak_bytes, plan.recompute_cost
         (((1, 5),), 8192, 4.0)
     """
-    _check_chain("optimal", chain)
+    check_chain("optimal", chain)
     _check_max_work("optimal", max_work)
     pb = _solver.Problem.from_chain(chain)
     least = _least_peak(pb)
@@ -133,7 +133,7 @@ def frontier(chain: Chain, *, max_work: int | None = DEFAULT_MAX_WORK) -> list[P
         ...     3, activation_bytes=10))]
         [(50, 2.0), (60, 0.0)]
     """
-    _check_chain("frontier", chain)
+    check_chain("frontier", chain)
     _check_max_work("frontier", max_work)
     pb = _solver.Problem.from_chain(chain)
     found, exact = _solver.solve_frontier(pb, max_work=max_work)
@@ -182,18 +182,6 @@ def infeasible(
 
 def _least_peak(pb: _solver.Problem) -> int:
     return pb.overhead + pb.a0 + _solver.min_headroom(pb)
-
-
-def _check_chain(api: str, chain: object) -> None:
-    if not isinstance(chain, Chain):
-        fail(
-            api,
-            "chain must be a Chain",
-            "chain",
-            chain,
-            "Build one with tfrecompute.strategies.Chain(...)",
-            error=TypeError,
-        )
 
 
 def _check_max_work(api: str, max_work: object) -> None:

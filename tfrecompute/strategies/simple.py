@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import math
 
-from tfrecompute.strategies._checks import as_positive_int, fail
+from tfrecompute.strategies._checks import as_positive_int
 from tfrecompute.strategies.budget import _parse_budget
 from tfrecompute.strategies.chain import Chain
-from tfrecompute.strategies.memory import carry_profile, estimate
+from tfrecompute.strategies.memory import carry_profile, check_chain, estimate
 from tfrecompute.strategies.optimize import infeasible, min_peak
 from tfrecompute.strategies.plan import Budget, Plan, Strategy
 
@@ -63,7 +63,7 @@ def uniform(k: int) -> Strategy:
     name = f"uniform:{size}"
 
     def strategy(chain: Chain, budget: Budget | None = None) -> Plan:
-        _check_chain(name, chain)
+        check_chain(name, chain)
         return _fixed_plan(name, chain, _uniform_segments(chain.n, size), budget)
 
     strategy.__name__ = strategy.__qualname__ = name
@@ -91,7 +91,7 @@ def sqrt(chain: Chain, budget: Budget | None = None) -> Plan:
         >>> sqrt(Chain.homogeneous(9, activation_bytes=1)).segments
         ((0, 3), (3, 6), (6, 9))
     """
-    _check_chain("sqrt", chain)
+    check_chain("sqrt", chain)
     size = math.isqrt(chain.n - 1) + 1
     return _fixed_plan("sqrt", chain, _uniform_segments(chain.n, size), budget)
 
@@ -129,7 +129,7 @@ def heuristic(chain: Chain, budget: Budget | None = None) -> Plan:
         >>> heuristic(chain, 12).peak_bytes <= 12
         True
     """
-    _check_chain("heuristic", chain)
+    check_chain("heuristic", chain)
     limit = None if budget is None else _parse_budget(budget, api="heuristic", name="budget")
     n = chain.n
     saved = chain.saved_bytes
@@ -202,22 +202,10 @@ def _uniform_segments(n: int, size: int) -> tuple[tuple[int, int], ...]:
 def _fixed_plan(
     api: str, chain: Chain, segments: tuple[tuple[int, int], ...], budget: Budget | None
 ) -> Plan:
-    _check_chain(api, chain)
+    check_chain(api, chain)
     peak, cost = estimate(chain, segments)
     if budget is not None:
         limit = _parse_budget(budget, api=api, name="budget")
         if peak > limit:
             raise infeasible(api, budget, limit, own=peak, least=min_peak(chain))
     return Plan(segments, peak_bytes=peak, recompute_cost=cost, strategy=api, chain=chain)
-
-
-def _check_chain(api: str, chain: object) -> None:
-    if not isinstance(chain, Chain):
-        fail(
-            api,
-            "chain must be a Chain",
-            "chain",
-            chain,
-            "Build one with tfrecompute.strategies.Chain(...)",
-            error=TypeError,
-        )
