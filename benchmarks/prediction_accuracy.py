@@ -25,7 +25,6 @@ MODELS = ("encoder", "mobilenet_v2", "resnet50", "unet")
 
 
 def _model(name: str):  # noqa: ANN202 (keras is imported in the worker only)
-    sys.path.insert(0, str(ROOT))
     from tests import models_zoo
 
     return {
@@ -39,6 +38,7 @@ def _model(name: str):  # noqa: ANN202 (keras is imported in the worker only)
 def measure(name: str, batch_size: int) -> dict[str, object]:
     """Predicted and measured peaks of one model's plans (run in a worker process)."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    sys.path.insert(0, str(ROOT))  # this checkout's tfrecompute and tests, not an installed one
     import keras
     import numpy as np
 

@@ -33,12 +33,12 @@ MODELS = {
 # How far the planner's predicted peak may be from the measured step memory
 # (|predicted / measured - 1|), for the none, sqrt and optimal plans, measured
 # by benchmarks/prediction_accuracy.py in a fresh process per model. The
-# target is 15%; only the encoder is there yet. The memory model does not yet
-# count parameter gradients (ResNet50 has 94 MiB of them) nor the extra
-# outputs a segment keeps for skip connections; and the measured peak of one
-# plan varies by up to about 10% between runs (the order in which TensorFlow's
-# two inter-op threads run ops changes which tensors are alive together).
-TOLERANCE = {"encoder": 0.15, "mobilenet_v2": 0.3, "resnet50": 0.45, "unet": 0.35}
+# target is 15%. Errors seen over several runs: encoder -12% to +7%,
+# MobileNetV2 -23% to -4%, ResNet50 -18% to -11%, U-Net -20% to -4%; the
+# measured peak of one plan varies by up to about 15% between runs (the
+# order in which TensorFlow's two inter-op threads run ops changes which
+# tensors are alive together), so the bounds leave room for that.
+TOLERANCE = {"encoder": 0.2, "mobilenet_v2": 0.35, "resnet50": 0.3, "unet": 0.3}
 
 
 def _batch(model, batch=BATCH, seed=0):
