@@ -80,7 +80,11 @@ def _symbolic_args(call: Any) -> list[keras.KerasTensor]:
     return list({id(t): t for t in flat if isinstance(t, keras.KerasTensor)}.values())
 
 
-def _profile_graph(graph: LayerGraph, batch_size: int) -> _ModelChain:
+def _profile_graph(
+    graph: LayerGraph,
+    batch_size: int,
+    progress: Callable[[int, int], None] | None = None,
+) -> _ModelChain:
     # NOTE [ Links of the chain ]
     # A tensor that no backward reads (a BatchNormalization output feeding a
     # ReLU, whose gradient reads the ReLU's output) is freed as soon as its
@@ -90,12 +94,14 @@ def _profile_graph(graph: LayerGraph, batch_size: int) -> _ModelChain:
     # once, at its producer, plus what its calls keep inside.
     cache: dict[tuple[Any, ...], CallMemory] = {}
     memories = []
-    for call in graph.calls:
+    for done, call in enumerate(graph.calls, start=1):
         args = _symbolic_args(call)
         key = (id(call.layer), tuple((tuple(t.shape), str(t.dtype)) for t in args))
         if key not in cache:
             cache[key] = call_memory(call.layer, call.args, call.kwargs, call.outputs, batch_size)
         memories.append(cache[key])
+        if progress is not None:
+            progress(done, len(graph.calls))
     needed: set[int] = set()
     for call, memory in zip(graph.calls, memories):
         needed.update(id(t) for t, read in zip(call.outputs, memory.reads_outputs) if read)
@@ -188,7 +194,12 @@ def _profile_graph(graph: LayerGraph, batch_size: int) -> _ModelChain:
     return _ModelChain(graph, chain, tuple(groups))
 
 
-def profile(model: keras.Model, batch_size: int) -> strategies.Chain:
+def profile(
+    model: keras.Model,
+    batch_size: int,
+    *,
+    progress: Callable[[int, int], None] | None = None,
+) -> strategies.Chain:
     """The cost chain of a Sequential or Functional model at a batch size.
 
     Each layer call of the model, in topological order, is one link of the
@@ -201,6 +212,8 @@ def profile(model: keras.Model, batch_size: int) -> strategies.Chain:
     Args:
         model: a built `keras.Sequential` or Functional model.
         batch_size: the training batch size.
+        progress: called as `progress(done, total)` after each layer call is
+            analysed (for a progress bar).
 
     Returns:
         A `tfrecompute.strategies.Chain` with the layer names as `names`.
@@ -214,7 +227,7 @@ def profile(model: keras.Model, batch_size: int) -> strategies.Chain:
     """
     batch_size = _check_batch_size("profile", batch_size, required_for="profile")
     assert batch_size is not None
-    return _profile_graph(LayerGraph.of(model, api="profile"), batch_size).chain
+    return _profile_graph(LayerGraph.of(model, api="profile"), batch_size, progress).chain
 
 
 def _resolve_plan(

@@ -1,0 +1,211 @@
+"""The `tfrecompute` command line, run in-process through `main(argv)`."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import keras
+import pytest
+
+import tfrecompute  # noqa: F401  (registers RecomputeBlock)
+from tfrecompute.cli import main
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@keras.saving.register_keras_serializable(package="tfrecompute_tests")
+class _Subclassed(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(4)
+
+    def call(self, x):
+        return self.dense(x)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    folder = tmp_path_factory.mktemp("cli_models")
+    keras.utils.set_random_seed(0)
+    mlp = keras.Sequential(
+        [keras.Input((32,))]
+        + [keras.layers.Dense(32, activation="relu", name=f"hidden_{i}") for i in range(6)]
+        + [keras.layers.Dense(4, name="head")]
+    )
+    inputs = x = keras.Input((16,))
+    for i in range(3):
+        h = keras.layers.Dense(16, activation="relu", name=f"block{i}_a")(x)
+        h = keras.layers.Dense(16, name=f"block{i}_b")(h)
+        x = keras.layers.Add(name=f"block{i}_add")([x, h])
+    residual = keras.Model(inputs, keras.layers.Dense(2, name="out")(x))
+    subclassed = _Subclassed()
+    subclassed(keras.ops.zeros((1, 8)))
+    paths = {}
+    for name, model in (("mlp", mlp), ("residual", residual), ("subclassed", subclassed)):
+        paths[name] = str(folder / f"{name}.keras")
+        model.save(paths[name])
+    paths["garbage"] = str(folder / "garbage.keras")
+    pathlib.Path(paths["garbage"]).write_bytes(b"not a zip file")
+    return paths
+
+
+def _is_png(path: pathlib.Path) -> bool:
+    return path.is_file() and path.stat().st_size > 1000 and path.read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_plan_prints_segments_and_peak(models, capsys):
+    code = main(["plan", models["mlp"], "--batch-size", "256", "--strategy", "uniform:3"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "Plan 'uniform:3' for a chain of 7 layers" in out
+    assert "hidden_0 … hidden_2 (3 layers)  recomputed" in out
+    assert "Predicted peak:" in out and "KiB" in out
+    assert "Recompute cost:" in out and "% of one forward pass" in out
+
+
+def test_plan_with_budget_on_functional_model(models, capsys):
+    code = main(
+        [
+            "plan",
+            models["residual"],
+            "--batch-size",
+            "1024",
+            "--strategy",
+            "optimal",
+            "--budget",
+            "500KiB",
+        ]  # fmt: skip
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "Plan 'optimal'" in out and "(proven optimal)" in out
+    rows = [line for line in out.splitlines() if "recomputed" in line]
+    assert rows and any("block0_b+block0_add" in row for row in rows)  # a merged link
+    peak = int(out.split("Predicted peak: ")[1].split("(")[1].split()[0])
+    assert peak <= 500 * 1024
+
+
+def test_profile_table(models, capsys):
+    code = main(["profile", models["residual"], "--batch-size", "512"])
+    captured = capsys.readouterr()
+    assert code == 0
+    header = captured.out.splitlines()[1].split()
+    assert header == ["#", "name", "output", "saved", "workspace", "forward", "FLOPs"]
+    rows = {line.split()[1]: line for line in captured.out.splitlines()[2:8]}
+    assert "block0_a" in rows and "32.00 KiB" in rows["block0_a"]  # 512 x 16 x float32
+    assert "Predicted peak without recompute:" in captured.out
+    assert "profiled 10 layer calls" in captured.err
+
+
+def test_frontier_plot(models, capsys, tmp_path):
+    png = tmp_path / "frontier.png"
+    code = main(
+        [
+            "frontier",
+            models["residual"],
+            "--batch-size",
+            "1024",
+            "--budget",
+            "1MiB",
+            "--plot",
+            str(png),
+        ]  # fmt: skip
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "peak" in out and "recompute cost" in out and "segments" in out
+    for name in ("none ", "sqrt ", "heuristic ", "optimal @ 1MiB "):
+        assert f"\n{name}" in out
+    assert _is_png(png)
+
+
+def test_timeline_plot(models, capsys, tmp_path):
+    png = tmp_path / "timeline.png"
+    code = main(["timeline", models["mlp"], "--batch-size", "2048", "--plot", str(png)])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "none: peak" in out and "sqrt: peak" in out and "of the peak of none" in out
+    assert _is_png(png)
+
+
+def test_demo(capsys):
+    assert main(["demo", "--depth", "2", "--width", "256", "--batch-size", "512"]) == 0
+    out = capsys.readouterr().out
+    assert "no recompute" in out and "RecomputeBlock x1" in out and "MiB" in out
+
+
+def test_missing_model_file(tmp_path, capsys):
+    code = main(["plan", str(tmp_path / "nope.keras"), "--batch-size", "8"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "tfrecompute plan: the model file does not exist. Received: model=" in err
+
+
+def test_unreadable_model_file(models, capsys):
+    assert main(["profile", models["garbage"], "--batch-size", "8"]) == 1
+    assert "tfrecompute profile: cannot load the model file" in capsys.readouterr().err
+
+
+def test_subclassed_model(models, capsys):
+    assert main(["plan", models["subclassed"], "--batch-size", "8"]) == 1
+    assert "a subclassed model cannot be traced" in capsys.readouterr().err
+
+
+def test_malformed_budget(models, capsys):
+    code = main(["plan", models["mlp"], "--batch-size", "8", "--budget", "2 gigs"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "tfrecompute plan: unknown unit 'gigs'. Received: --budget='2 gigs'" in err
+
+
+def test_infeasible_budget_reports_minimum(models, capsys):
+    argv = ["plan", models["mlp"], "--batch-size", "256", "--strategy", "optimal"]
+    assert main([*argv, "--budget", "1KiB"]) == 1
+    err = capsys.readouterr().err
+    assert "is below the least peak any plan reaches" in err
+    assert "Received: budget='1KiB' (of type str)" in err
+    assert "The minimum feasible budget is" in err and "KiB" in err
+    minimum = err.split("pass --budget ")[1].split()[0]
+    assert main([*argv, "--budget", minimum]) == 0  # the minimum it names is feasible
+    assert "Plan 'optimal'" in capsys.readouterr().out
+
+
+def test_unknown_strategy(models, capsys):
+    assert main(["plan", models["mlp"], "--batch-size", "8", "--strategy", "fast"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown strategy. Received: --strategy='fast'" in err
+    assert "heuristic, none, optimal, sqrt, uniform:<k>" in err
+
+
+def test_usage_errors_exit_2(models, capsys):
+    assert main(["plan", models["mlp"]]) == 2  # --batch-size is required
+    assert main(["plan", models["mlp"], "--batch-size", "0"]) == 2
+    assert main([]) == 2
+    assert "usage: tfrecompute" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib(models, capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
+    png = tmp_path / "out.png"
+    code = main(["frontier", models["mlp"], "--batch-size", "8", "--plot", str(png)])
+    assert code == 1
+    assert 'pip install "tfrecompute[plot]"' in capsys.readouterr().err
+    assert not png.exists()
+
+
+def test_python_m_help():
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root), "TF_CPP_MIN_LOG_LEVEL": "3"}
+    result = subprocess.run(
+        [sys.executable, "-m", "tfrecompute", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    for command in ("plan", "profile", "frontier", "timeline", "demo"):
+        assert command in result.stdout

@@ -1,0 +1,616 @@
+"""The `tfrecompute` command line: plan, profile and plot recompute for a saved model.
+
+Subcommands (each takes `--help`):
+
+* `plan MODEL.keras --batch-size N [--strategy NAME] [--budget 2GiB]`: the plan table.
+* `profile MODEL.keras --batch-size N`: the per-link costs the planner sees.
+* `frontier MODEL.keras --batch-size N [--plot out.png] [--budget B]`: the
+  memory/recompute-cost Pareto curve.
+* `timeline MODEL.keras --batch-size N [--plot out.png] [--strategy S] [--budget B]`:
+  predicted live memory over one training step, without and with the plan.
+* `demo [--depth D --width W --batch-size N]`: train an MLP with and without
+  `RecomputeBlock` and print the measured step memory.
+
+Exit codes: 0 on success, 2 for usage errors (bad arguments, a malformed
+budget, an unknown strategy, a model file that does not exist), 1 for other
+errors (an unreadable model, a model that cannot be planned, an infeasible
+budget, plotting without matplotlib).
+
+Example:
+
+```bash
+tfrecompute plan model.keras --batch-size 64 --strategy optimal --budget 2GiB
+python -m tfrecompute frontier model.keras --batch-size 64 --plot frontier.png
+```
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TextIO
+
+from tfrecompute import strategies
+from tfrecompute.errors import InfeasibleBudgetError
+from tfrecompute.strategies.budget import _parse_budget
+
+__all__ = ["main"]
+
+_PLOT_EXTRA = 'pip install "tfrecompute[plot]"'
+_MIB = float(2**20)
+
+
+class CliError(Exception):
+    """An error the command line reports as one message and an exit code.
+
+    Attributes:
+        code: the exit code, 2 for usage errors and 1 for the others.
+    """
+
+    def __init__(self, message: str, *, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# ----------------------------------------------------------------- arguments
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tfrecompute",
+        description="Plan gradient checkpointing (recompute) for a saved Keras model.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def model_command(name: str, help_text: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        sub.add_argument("model", metavar="MODEL.keras", help="a model saved with model.save()")
+        sub.add_argument(
+            "--batch-size", type=_positive_int, required=True, help="the training batch size"
+        )
+        return sub
+
+    def strategy_options(sub: argparse.ArgumentParser, default: str) -> None:
+        names = ", ".join((*strategies.available(), "uniform:<k>"))
+        sub.add_argument("--strategy", default=default, help=f"one of {names} (default: {default})")
+        sub.add_argument(
+            "--budget", help='the most activation memory per step, e.g. "2GiB" or "512MB"'
+        )
+
+    plan = model_command("plan", "Print the recompute plan of a model.")
+    strategy_options(plan, "sqrt")
+
+    model_command("profile", "Print the per-link memory and compute costs of a model.")
+
+    frontier = model_command(
+        "frontier", "Print (and plot) the memory / recompute-cost Pareto frontier."
+    )
+    strategy_options(frontier, "optimal")
+    frontier.add_argument("--plot", metavar="OUT.png", help="write the curve to a PNG file")
+
+    timeline = model_command(
+        "timeline", "Print (and plot) predicted live memory over one training step."
+    )
+    strategy_options(timeline, "sqrt")
+    timeline.add_argument("--plot", metavar="OUT.png", help="write the timeline to a PNG file")
+
+    demo = commands.add_parser(
+        "demo",
+        help="Train an MLP with and without RecomputeBlock; print the measured memory.",
+        description="Train an MLP with and without RecomputeBlock; print the measured memory.",
+    )
+    demo.add_argument("--depth", type=_positive_int, default=16, help="Dense layers (16)")
+    demo.add_argument("--width", type=_positive_int, default=256, help="units per layer (256)")
+    demo.add_argument("--batch-size", type=_positive_int, default=512, help="batch size (512)")
+    return parser
+
+
+def _budget(command: str, text: str | None) -> int | None:
+    if text is None:
+        return None
+    try:
+        return _parse_budget(text, api=f"tfrecompute {command}", name="--budget")
+    except (TypeError, ValueError) as error:
+        raise CliError(str(error), code=2) from None
+
+
+def _strategy(command: str, name: str) -> strategies.Strategy:
+    try:
+        return strategies.get(name)
+    except (TypeError, ValueError):
+        valid = ", ".join((*strategies.available(), "uniform:<k>"))
+        raise CliError(
+            f"tfrecompute {command}: unknown strategy. Received: --strategy={name!r} "
+            f"(of type str). Use one of {valid}.",
+            code=2,
+        ) from None
+
+
+# -------------------------------------------------------------------- models
+
+
+def _load_model(command: str, path: str) -> Any:
+    """Loads a `.keras` model, compiled as saved: the profile reads its optimizer."""
+    if not os.path.isfile(path):
+        what = "is a directory" if os.path.isdir(path) else "does not exist"
+        raise CliError(
+            f"tfrecompute {command}: the model file {what}. Received: model={path!r} "
+            "(of type str). Pass the path of a model saved with model.save('model.keras').",
+            code=2,
+        )
+    _quiet_tensorflow()
+    import keras
+
+    import tfrecompute  # noqa: F401  (registers RecomputeBlock for deserialization)
+
+    try:
+        return keras.models.load_model(path)
+    except Exception as error:  # noqa: BLE001 - any failure means "cannot read it"
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise CliError(
+            f"tfrecompute {command}: cannot load the model file ({type(error).__name__}: "
+            f"{first}). Received: model={path!r} (of type str). Pass a model saved with "
+            "model.save('model.keras'), with its custom layers importable.",
+        ) from None
+
+
+def _quiet_tensorflow() -> None:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+@contextlib.contextmanager
+def _library_errors() -> Iterator[None]:
+    """Turns the library's errors into `CliError`s (exit code 1)."""
+    try:
+        yield
+    except InfeasibleBudgetError as error:
+        raise CliError(
+            f"{error}\nThe minimum feasible budget is {strategies.format_bytes(error.minimum)} "
+            f"({error.minimum} bytes): pass --budget {error.minimum} or more."
+        ) from None
+    except (TypeError, ValueError) as error:
+        raise CliError(str(error)) from None
+
+
+def _profile(model: Any, batch_size: int, *, progress: TextIO | None = None) -> strategies.Chain:
+    """`tfrecompute.profile`, with a counter of analysed layer calls on `progress`."""
+    import tfrecompute
+
+    if progress is None:
+        return tfrecompute.profile(model, batch_size)
+    interactive = progress.isatty()
+    start = time.perf_counter()
+    counted = {"total": 0}
+
+    def report(done: int, total: int) -> None:
+        counted["total"] = total
+        if interactive:
+            progress.write(f"\rprofiling: layer call {done}/{total}")
+            progress.flush()
+
+    chain = tfrecompute.profile(model, batch_size, progress=report)
+    progress.write(
+        f"{chr(13) if interactive else ''}profiled {counted['total']} layer calls in "
+        f"{time.perf_counter() - start:.1f} s\n"
+    )
+    progress.flush()
+    return chain
+
+
+def _chain(command: str, args: argparse.Namespace, *, progress: bool = False) -> Any:
+    model = _load_model(command, args.model)
+    with _library_errors():
+        return _profile(model, args.batch_size, progress=sys.stderr if progress else None)
+
+
+# ------------------------------------------------------------------ commands
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    _budget("plan", args.budget)  # fail fast, before loading the model
+    _strategy("plan", args.strategy)
+    model = _load_model("plan", args.model)
+    import tfrecompute
+
+    with _library_errors():
+        plan = tfrecompute.plan(
+            model, args.strategy, budget=args.budget, batch_size=args.batch_size
+        )
+    print(f"Model {model.name!r} at batch size {args.batch_size}")
+    print(plan.summary())
+    return 0
+
+
+def _flops(value: float) -> str:
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f} {unit}"
+    return f"{value:.0f}"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> str:
+    widths = [max(len(row[k]) for row in [header, *rows]) for k in range(len(header))]
+
+    def line(row: Sequence[str]) -> str:
+        cells = [
+            text.rjust(width) if k in right else text.ljust(width)
+            for k, (text, width) in enumerate(zip(row, widths))
+        ]
+        return "  ".join(cells).rstrip()
+
+    return "\n".join([line(header), *(line(row) for row in rows)])
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    chain = _chain("profile", args, progress=True)
+    fmt = strategies.format_bytes
+    rows = [
+        (
+            str(i),
+            chain.names[i],
+            fmt(chain.output_bytes[i]),
+            fmt(chain.saved_bytes[i]),
+            fmt(chain.workspace_bytes[i]),
+            _flops(chain.forward_cost[i]),
+        )
+        for i in range(chain.n)
+    ]
+    header = ("#", "name", "output", "saved", "workspace", "forward FLOPs")
+    print(f"Chain of {chain.n} links at batch size {args.batch_size}")
+    print(_table(header, rows, right={0, 2, 3, 4, 5}))
+    print(
+        f"Input {fmt(chain.input_bytes)}; saved in total {fmt(sum(chain.saved_bytes))}; "
+        f"forward cost {_flops(chain.total_forward_cost)}FLOPs"
+    )
+    none = strategies.none(chain)
+    print(
+        f"Predicted peak without recompute: {fmt(none.peak_bytes)}; least peak with "
+        f"recompute: {fmt(strategies.min_peak(chain))}"
+    )
+    return 0
+
+
+def _share(plan: strategies.Plan) -> float:
+    total = plan.chain.total_forward_cost
+    return 100.0 * plan.recompute_cost / total if total > 0 else 0.0
+
+
+def _chosen(command: str, chain: Any, args: argparse.Namespace) -> strategies.Plan:
+    strategy = _strategy(command, args.strategy)
+    _budget(command, args.budget)
+    with _library_errors():  # the user's budget text, so that errors quote it
+        return strategy(chain, budget=args.budget)
+
+
+def _cmd_frontier(args: argparse.Namespace) -> int:
+    _budget("frontier", args.budget)
+    _strategy("frontier", args.strategy)
+    pyplot_figure = _figure_class() if args.plot else None
+    chain = _chain("frontier", args)
+    chosen = _chosen("frontier", chain, args)
+    points = strategies.frontier(chain)
+    marks = {
+        "none": strategies.none(chain),
+        "sqrt": strategies.sqrt(chain),
+        "heuristic": strategies.heuristic(chain),
+    }
+    fmt = strategies.format_bytes
+    shown = _spread(points, 12)
+    rows = [(fmt(p.peak_bytes), f"{_share(p):.1f}%", str(len(p.segments))) for p in shown]
+    print(
+        f"Pareto frontier of {chain.n} links at batch size {args.batch_size}: "
+        f"{len(points)} plans" + (f", {len(shown)} shown" if len(shown) < len(points) else "")
+    )
+    print(_table(("peak", "recompute cost", "segments"), rows, right={0, 1, 2}))
+    label = _chosen_label(args)
+    width = max(len(name) for name in [*marks, label]) + 2
+    for name, plan in [*marks.items(), (label, chosen)]:
+        print(f"{name:<{width}}peak {fmt(plan.peak_bytes)}, cost {_share(plan):.1f}%")
+    if pyplot_figure is not None:
+        _plot_frontier(pyplot_figure, args.plot, points, marks, label, chosen, args)
+        print(f"Wrote {args.plot}")
+    return 0
+
+
+def _chosen_label(args: argparse.Namespace) -> str:
+    return args.strategy + (f" @ {args.budget}" if args.budget else "")
+
+
+def _spread(points: list[strategies.Plan], most: int) -> list[strategies.Plan]:
+    if len(points) <= most:
+        return points
+    picks = sorted({round(k * (len(points) - 1) / (most - 1)) for k in range(most)})
+    return [points[k] for k in picks]
+
+
+def _cmd_timeline(args: argparse.Namespace) -> int:
+    _budget("timeline", args.budget)
+    _strategy("timeline", args.strategy)
+    figure = _figure_class() if args.plot else None
+    chain = _chain("timeline", args)
+    chosen = _chosen("timeline", chain, args)
+    base = strategies.none(chain)
+    label = _chosen_label(args)
+    fmt = strategies.format_bytes
+    for name, plan in (("none", base), (label, chosen)):
+        events = plan.timeline()
+        top = max(events, key=lambda e: e.live_bytes)
+        print(
+            f"{name}: peak {fmt(top.live_bytes)} during the {top.phase} of link {top.layer} "
+            f"({chain.names[top.layer]}); {len(events)} moments, recompute cost "
+            f"{_share(plan):.1f}%"
+        )
+    if base.peak_bytes:
+        print(f"{label} uses {chosen.peak_bytes / base.peak_bytes:.0%} of the peak of none")
+    if figure is not None:
+        _plot_timeline(figure, args.plot, [("none", base), (label, chosen)], args)
+        print(f"Wrote {args.plot}")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    _quiet_tensorflow()
+    import keras
+    import numpy as np
+
+    import tfrecompute
+
+    def build(block_size: int | None) -> Any:
+        keras.utils.set_random_seed(0)
+        layers: list[Any] = []
+        for _ in range(args.depth):
+            layers += [
+                keras.layers.Dense(args.width, activation="relu"),
+                keras.layers.Dropout(0.1),
+            ]
+        if block_size:
+            size = 2 * block_size
+            layers = [
+                tfrecompute.RecomputeBlock(layers[i : i + size])
+                for i in range(0, len(layers), size)
+            ]
+        model = keras.Sequential([keras.Input((args.width,)), *layers, keras.layers.Dense(10)])
+        model.compile(
+            optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        )
+        return model
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2 * args.batch_size, args.width)).astype("float32")
+    y = rng.integers(0, 10, size=(2 * args.batch_size,))
+    block = max(1, round(math.sqrt(args.depth)))
+    rows = []
+    for label, size in (("no recompute", None), (f"RecomputeBlock x{block}", block)):
+        model = build(size)
+        history = model.fit(x, y, batch_size=args.batch_size, epochs=1, verbose=0)
+        step = tfrecompute.measure_step(model, x[: args.batch_size], y[: args.batch_size])
+        rows.append((label, step, float(history.history["loss"][-1])))
+    print(
+        f"{args.depth} x Dense({args.width}) + Dropout, batch {args.batch_size}, "
+        f"on {rows[0][1].device}"
+    )
+    print(f"{'variant':<22}{'step memory':>14}{'step time':>12}{'loss':>10}")
+    for label, step, loss in rows:
+        memory, ms = step.peak_bytes / _MIB, step.seconds * 1e3
+        print(f"{label:<22}{memory:>10.1f} MiB{ms:>9.1f} ms{loss:>10.4f}")
+    base, blocked = rows[0][1], rows[1][1]
+    if not base.peak_bytes:
+        print("the allocator recorded no memory: use a larger --batch-size")
+        return 0
+    print(
+        f"recompute used {blocked.peak_bytes / base.peak_bytes:.0%} of the memory "
+        f"at {blocked.seconds / base.seconds:.2f}x the step time"
+    )
+    return 0
+
+
+# ------------------------------------------------------------------ plotting
+
+
+def _figure_class() -> Any:
+    """`matplotlib.figure.Figure` (Agg canvas, no pyplot state), or a CliError."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise CliError(
+            f"tfrecompute: plotting needs matplotlib, which is not installed. Install the "
+            f"plot extra: {_PLOT_EXTRA}, or leave out --plot."
+        ) from None
+    return Figure
+
+
+def _ticker() -> Any:
+    import matplotlib.ticker
+
+    return matplotlib.ticker
+
+
+def _save(figure: Any, path: str) -> None:
+    figure.tight_layout()
+    try:
+        figure.savefig(path, dpi=150)
+    except (OSError, ValueError) as error:
+        raise CliError(
+            f"tfrecompute: cannot write the plot ({error}). Received: --plot={path!r} (of "
+            "type str). Pass a writable path ending in .png."
+        ) from None
+
+
+def _plot_frontier(
+    figure_class: Callable[..., Any],
+    path: str,
+    points: list[strategies.Plan],
+    marks: dict[str, strategies.Plan],
+    label: str,
+    chosen: strategies.Plan,
+    args: argparse.Namespace,
+) -> None:
+    figure = figure_class(figsize=(7, 4.5))
+    axes = figure.add_subplot()
+    xs = [p.peak_bytes / _MIB for p in points]
+    ys = [_share(p) for p in points]
+    # Between two frontier points, the best plan under a budget is the left one:
+    # a staircase, extended to the right edge.
+    right = max(xs + [p.peak_bytes / _MIB for p in marks.values()]) * 1.04
+    axes.step([*xs, right], [*ys, ys[-1]], where="post", color="0.55", lw=1.2, zorder=1)
+    axes.scatter(xs, ys, s=14, color="0.35", zorder=2, label="Pareto-optimal plans")
+    # sqrt and heuristic often coincide: the diamond is drawn inside the triangle.
+    styles = {
+        "none": ("s", "tab:gray", 70),
+        "sqrt": ("^", "tab:blue", 160),
+        "heuristic": ("D", "tab:orange", 45),
+    }
+    for name, plan in marks.items():
+        marker, color, size = styles[name]
+        axes.scatter(
+            plan.peak_bytes / _MIB,
+            _share(plan),
+            marker=marker,
+            s=size,
+            color=color,
+            edgecolor="black",
+            zorder=3,
+            label=f"{name} ({_mib(plan.peak_bytes)}, {_share(plan):.0f}%)",
+        )
+    axes.scatter(
+        chosen.peak_bytes / _MIB,
+        _share(chosen),
+        marker="*",
+        s=220,
+        color="tab:red",
+        edgecolor="black",
+        zorder=4,
+        label=f"{label} ({_mib(chosen.peak_bytes)}, {_share(chosen):.0f}%)",
+    )
+    if args.budget:
+        budget = _budget("frontier", args.budget)
+        assert budget is not None
+        axes.axvline(budget / _MIB, color="tab:red", ls="--", lw=1, label=f"budget {args.budget}")
+    axes.set_xlabel("predicted peak memory of a training step (MiB)")
+    axes.set_ylabel("recompute cost (% of one forward pass)")
+    axes.set_title(
+        f"Memory / recompute trade-off: {os.path.basename(args.model)}, batch {args.batch_size}"
+    )
+    axes.set_ylim(bottom=-3)
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8, loc="upper right")
+    _save(figure, path)
+
+
+def _mib(n: int) -> str:
+    return f"{n / _MIB:.3g} MiB"
+
+
+def _plot_timeline(
+    figure_class: Callable[..., Any],
+    path: str,
+    plans: list[tuple[str, strategies.Plan]],
+    args: argparse.Namespace,
+) -> None:
+    figure = figure_class(figsize=(8, 4.5))
+    axes = figure.add_subplot()
+    colors = ["tab:gray", "tab:blue"]
+    ends = []
+    for (name, plan), color in zip(plans, colors):
+        events = plan.timeline()
+        xs = list(range(len(events) + 1))
+        ys = [e.live_bytes / _MIB for e in events]
+        axes.step(xs, [*ys, ys[-1]], where="post", color=color, lw=1.6, label=name)
+        # Recomputed moments: the extra forward runs during the backward pass.
+        shaded = [k for k, event in enumerate(events) if event.phase == "recompute"]
+        for k in shaded:
+            axes.axvspan(
+                k, k + 1, color=color, alpha=0.15, lw=0,
+                label=f"{name}: recompute" if k == shaded[0] else None,
+            )  # fmt: skip
+        top = max(range(len(events)), key=lambda k: events[k].live_bytes)
+        axes.axhline(ys[top], color=color, ls=":", lw=1)
+        axes.annotate(
+            f"peak {_mib(events[top].live_bytes)}",
+            (top + 0.5, ys[top]),
+            xytext=(0, 6),
+            textcoords="offset points",
+            ha="center",
+            fontsize=8,
+            color=color,
+        )
+        ends.append(len(events))
+    forward = plans[0][1].chain.n
+    axes.axvline(forward, color="black", lw=0.8, ls="--")
+    axes.text(forward / 2, 0.02, "forward", transform=axes.get_xaxis_transform(), ha="center")
+    axes.text(
+        forward + (max(ends) - forward) / 2,
+        0.02,
+        "backward",
+        transform=axes.get_xaxis_transform(),
+        ha="center",
+    )
+    axes.set_xlim(0, max(ends))
+    axes.xaxis.set_major_locator(_ticker().MaxNLocator(integer=True))
+    axes.set_ylim(bottom=0, top=max(p.peak_bytes for _, p in plans) / _MIB * 1.15)
+    axes.set_xlabel("moment of the training step (one layer run each)")
+    axes.set_ylabel("predicted live memory (MiB)")
+    axes.set_title(
+        f"Memory over one training step: {os.path.basename(args.model)}, batch {args.batch_size}"
+    )
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8, loc="upper left")
+    _save(figure, path)
+
+
+# ---------------------------------------------------------------------- main
+
+_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "plan": _cmd_plan,
+    "profile": _cmd_profile,
+    "frontier": _cmd_frontier,
+    "timeline": _cmd_timeline,
+    "demo": _cmd_demo,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the `tfrecompute` command line.
+
+    Args:
+        argv: the arguments without the program name; `sys.argv[1:]` when None.
+
+    Returns:
+        The exit code: 0 on success, 2 for usage errors, 1 for other errors.
+
+    Example:
+        >>> main(["plan", "model.keras", "--batch-size", "64"])  # doctest: +SKIP
+        0
+    """
+    parser = _build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # --help, or a usage error argparse already printed
+        return exit_.code if isinstance(exit_.code, int) else 2
+    try:
+        return _COMMANDS[args.command](args)
+    except CliError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return error.code
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
