@@ -40,23 +40,14 @@ def measure(name: str, batch_size: int) -> dict[str, object]:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     sys.path.insert(0, str(ROOT))  # this checkout's tfrecompute and tests, not an installed one
     import keras
-    import numpy as np
 
     import tfrecompute
+    from tests.models_zoo import synthetic_batch
     from tfrecompute import strategies
 
     keras.utils.set_random_seed(0)
     model = _model(name)
-    rng = np.random.default_rng(0)
-    inputs = []
-    for tensor in model.inputs:
-        shape = (batch_size, *tensor.shape[1:])
-        if "int" in str(tensor.dtype):
-            inputs.append(rng.integers(0, 50, size=shape).astype("int32"))
-        else:
-            inputs.append(rng.normal(size=shape).astype("float32"))
-    x = inputs[0] if len(inputs) == 1 else inputs
-    y = rng.normal(size=(batch_size, *model.outputs[0].shape[1:])).astype("float32")
+    x, y = synthetic_batch(model, batch_size)
     chain = tfrecompute.profile(model, batch_size=batch_size)
     budget = (strategies.min_peak(chain) + strategies.simulate(chain, []).peak_bytes) // 2
     rows = []

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import keras
+import numpy as np
+import tensorflow as tf
 
 
 def transformer_encoder(
@@ -55,3 +57,30 @@ def resnet50(size: int = 64) -> keras.Model:
 
 def mobilenet_v2(size: int = 64) -> keras.Model:
     return keras.applications.MobileNetV2(weights=None, input_shape=(size, size, 3), classes=10)
+
+
+def synthetic_batch(model: keras.Model, batch: int, *, seed: int = 0):  # noqa: ANN201
+    """Random inputs (token ids below 50 for integer inputs) and a target for `model`."""
+    rng = np.random.default_rng(seed)
+    inputs = []
+    for tensor in model.inputs:
+        shape = (batch, *tensor.shape[1:])
+        if "int" in str(tensor.dtype):
+            inputs.append(rng.integers(0, 50, size=shape).astype("int32"))
+        else:
+            inputs.append(rng.normal(size=shape).astype("float32"))
+    target = rng.normal(size=(batch, *model.outputs[0].shape[1:])).astype("float32")
+    return inputs[0] if len(inputs) == 1 else inputs, target
+
+
+class Untraceable(keras.Model):
+    """A subclassed model whose call branches on a tensor value: not traceable."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(2)
+
+    def call(self, x):
+        if float(tf.reduce_sum(x)) > 0:
+            return self.dense(x)
+        return x

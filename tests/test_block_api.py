@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 
 from tests.helpers import MODES
+from tests.models_zoo import Untraceable
 from tfrecompute import NonReplayableRandomnessError, RecomputeBlock
 
 
@@ -107,19 +108,6 @@ def test_extra_arguments_with_a_list_are_rejected():
     x = tf.ones((1, 2))
     with pytest.raises(TypeError, match="extra call arguments go to a single wrapped layer"):
         block(x, x)
-
-
-class Untraceable(keras.Model):
-    """A subclassed model whose call branches on a tensor value: not traceable."""
-
-    def __init__(self):
-        super().__init__()
-        self.dense = keras.layers.Dense(2)
-
-    def call(self, x):
-        if float(tf.reduce_sum(x)) > 0:
-            return self.dense(x)
-        return x
 
 
 def test_untraceable_subclassed_model_is_reported():

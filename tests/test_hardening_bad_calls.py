@@ -19,6 +19,7 @@ import pytest
 import tensorflow as tf
 
 import tfrecompute
+from tests.models_zoo import Untraceable
 from tfrecompute import RecomputeBlock, measure_step, strategies
 from tfrecompute.layers import set_debug
 
@@ -46,19 +47,6 @@ def _call_block_with_training(training):
     block = RecomputeBlock(keras.layers.Dense(2))
     with tf.GradientTape():
         block(tf.ones((1, 2)), training=training)
-
-
-class Untraceable(keras.Model):
-    """A subclassed model whose call branches on a tensor value: not traceable."""
-
-    def __init__(self):
-        super().__init__()
-        self.dense = keras.layers.Dense(2)
-
-    def call(self, x):
-        if float(tf.reduce_sum(x)) > 0:
-            return self.dense(x)
-        return x
 
 
 def _train_unbuilt_untraceable():

@@ -11,7 +11,6 @@ import pathlib
 import sys
 
 import keras
-import numpy as np
 import pytest
 
 import tfrecompute
@@ -41,17 +40,8 @@ MODELS = {
 TOLERANCE = {"encoder": 0.2, "mobilenet_v2": 0.35, "resnet50": 0.3, "unet": 0.3}
 
 
-def _batch(model, batch=BATCH, seed=0):
-    rng = np.random.default_rng(seed)
-    inputs = []
-    for tensor in model.inputs:
-        shape = (batch, *tensor.shape[1:])
-        if "int" in str(tensor.dtype):
-            inputs.append(rng.integers(0, 50, size=shape).astype("int32"))
-        else:
-            inputs.append(rng.normal(size=shape).astype("float32"))
-    target = rng.normal(size=(batch, *model.outputs[0].shape[1:])).astype("float32")
-    return inputs[0] if len(inputs) == 1 else inputs, target
+def _batch(model, batch=BATCH):
+    return models_zoo.synthetic_batch(model, batch)
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
