@@ -332,3 +332,26 @@ def test_recompute_grad_alone_is_wrong_with_dropout():
         assert_same_training(
             naive, _apply(layers), [x], layers[0].trainable_variables, state, "eager"
         )
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_output_without_a_gradient(mode):
+    """A block output the loss does not use gets no gradient; the others are unaffected."""
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    model = keras.Model(inputs, [keras.layers.Dense(3)(hidden), keras.layers.Dense(2)(hidden)])
+    block = RecomputeBlock(model)
+
+    def step(fn, x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.sin(fn(x, training=True)[0]))
+        return tape.gradient(loss, model.trainable_variables)
+
+    if mode == "function":
+        step = tf.function(step)
+    got, want = step(block, _x()), step(model, _x())
+    for g, w in zip(got, want):
+        if w is None:
+            assert g is None or not np.any(g)
+        else:
+            np.testing.assert_allclose(g, w, atol=1e-6)

@@ -90,22 +90,23 @@ def recompute_grad(fn: Callable[..., Sequence[tf.Tensor]]) -> Callable[..., list
 
         def gradient(*result_grads: tf.Tensor, variables: Sequence[Any] | None = None) -> Any:
             variables = list(variables or [])
-            result_grads = tuple(
-                tf.zeros_like(r) if g is None else g for r, g in zip(result, result_grads)
-            )
+            # Outputs with no incoming gradient are left out of the targets
+            # rather than given zeros_like(output): that would keep the
+            # forward's outputs alive until backprop, just for their shapes.
+            connected = [i for i, g in enumerate(result_grads) if g is not None]
             with tf.GradientTape() as tape:
                 inputs = [tf.identity(a) for a in args]
                 dependency = None
-                if not tf.executing_eagerly() and result_grads:
-                    dependency = _after(result_grads[0])
+                if not tf.executing_eagerly() and connected:
+                    dependency = _after(result_grads[connected[0]])
                     inputs = [a + tf.cast(dependency, a.dtype) for a in inputs]
                 tape.watch(inputs)
                 tape.watch(variables)
                 recomputed = list(fn(*inputs, after=dependency))
             grads = tape.gradient(
-                recomputed,
+                [recomputed[i] for i in connected],
                 inputs + variables,
-                output_gradients=list(result_grads),
+                output_gradients=[result_grads[i] for i in connected],
                 unconnected_gradients=tf.UnconnectedGradients.ZERO,
             )
             return grads[: len(inputs)], grads[len(inputs) :]
