@@ -129,12 +129,13 @@ def _profile_graph(
     # In a compiled step each variable's update runs as soon as its gradient
     # exists, unless the optimizer needs all gradients first (global norm
     # clipping, loss scaling, gradient accumulation). Measured with 8
-    # Dense(2048) at batch 64 (128 MiB of weights): 51.5 MiB per SGD step, and
-    # 144.5 MiB with global_clipnorm. So by default a link's weight gradients
-    # are transient, counted in the workspace of its backward together with
-    # the two links backprop reaches just before it (about three links' worth
-    # were in flight in that measurement); with such an optimizer they stay
-    # live until the step's end (`Chain.grad_bytes`).
+    # Dense(2048) at batch 64 (128 MiB of weights, test_models.py
+    # test_parameter_gradients_follow_the_optimizer): 50 to 67 MiB per SGD step
+    # over runs, and 144.5 MiB with global_clipnorm. So by default a link's
+    # weight gradients are transient, counted in the workspace of its backward
+    # together with the two links backprop reaches just before it (up to three
+    # links' worth were in flight); with such an optimizer they stay live until
+    # the step's end (`Chain.grad_bytes`).
     grads = [0] * n
     last_call: dict[int, tuple[int, Any]] = {}
     for index, call in enumerate(graph.calls):
