@@ -80,8 +80,8 @@ def random_carries(rng: random.Random, n: int, sizes: list[int]) -> list[tuple[i
 def random_chain(rng: random.Random, n: int, *, scale: int = 1) -> Chain:
     """A heterogeneous chain with small integer sizes (many ties) and mixed costs.
 
-    It has random carries (some larger than their producer's saved bytes) and
-    parameter gradients.
+    It has random carries (some larger than their producer's saved bytes),
+    carry gradients and parameter gradients.
     """
     outputs = [rng.choice([0, 1, 2, 3, 5, 8, 13]) * scale for _ in range(n)]
     saved = [o + rng.choice([0, 0, 1, 4, 9]) * scale for o in outputs]
@@ -95,6 +95,7 @@ def random_chain(rng: random.Random, n: int, *, scale: int = 1) -> Chain:
         overhead_bytes=rng.choice([0, 3]) * scale,
         carries=random_carries(rng, n, [s * scale for s in (0, 1, 3, 8, 20, 40)]),
         grad_bytes=[rng.choice([0, 0, 1, 3]) * scale for _ in range(n)],
+        carry_grads=random_carries(rng, n, [s * scale for s in (0, 2, 5, 12)]),
     )
 
 
@@ -102,7 +103,7 @@ def wide_chain(rng: random.Random, n: int, *, skips: bool = False) -> Chain:
     """A heterogeneous chain with realistic byte ranges and distinct float costs.
 
     With `skips`: residual-like carries (each a producer's output, carried 2 to 4
-    layers) and parameter gradients.
+    layers), their gradients and parameter gradients.
     """
     outputs = [rng.randrange(1 << 16, 1 << 22) for _ in range(n)]
     carries = []
@@ -117,6 +118,7 @@ def wide_chain(rng: random.Random, n: int, *, skips: bool = False) -> Chain:
         workspace_bytes=[rng.randrange(0, o) if rng.random() < 0.5 else 0 for o in outputs],
         carries=carries,
         grad_bytes=[rng.randrange(0, 1 << 20) for _ in range(n)] if skips else None,
+        carry_grads=carries,
     )
 
 
@@ -124,8 +126,8 @@ def wide_chain(rng: random.Random, n: int, *, skips: bool = False) -> Chain:
 def chains(draw: hs.DrawFn, *, max_layers: int = 8, min_layers: int = 1) -> Chain:
     """Hypothesis strategy: heterogeneous chains with small sizes and mixed costs.
 
-    Up to four random carries (some larger than their producer's saved bytes)
-    and random parameter gradients.
+    Up to four random carries (some larger than their producer's saved bytes),
+    random gradients for some of them, and random parameter gradients.
     """
     n = draw(hs.integers(min_layers, max_layers))
     outputs = draw(hs.lists(hs.integers(0, 20), min_size=n, max_size=n))
@@ -133,7 +135,7 @@ def chains(draw: hs.DrawFn, *, max_layers: int = 8, min_layers: int = 1) -> Chai
     workspace = draw(hs.lists(hs.sampled_from([0, 0, 0, 2, 7]), min_size=n, max_size=n))
     costs = draw(hs.lists(hs.sampled_from(COSTS), min_size=n, max_size=n))
     grads = draw(hs.lists(hs.sampled_from([0, 0, 1, 4, 15]), min_size=n, max_size=n))
-    carries = []
+    carries, carry_grads = [], []
     if n >= 2:
         for _ in range(draw(hs.integers(0, min(4, n)))):
             producer = draw(hs.integers(0, n - 2))
@@ -142,6 +144,7 @@ def chains(draw: hs.DrawFn, *, max_layers: int = 8, min_layers: int = 1) -> Chai
             # (then a segment's forward moments can set the peak).
             size = draw(hs.sampled_from([0, 2, 5, 12, 40, 100]))
             carries.append((producer, consumer, size))
+            carry_grads.append((producer, consumer, draw(hs.sampled_from([0, 2, 12]))))
     return Chain(
         draw(hs.integers(0, 20)),
         outputs,
@@ -151,4 +154,5 @@ def chains(draw: hs.DrawFn, *, max_layers: int = 8, min_layers: int = 1) -> Chai
         overhead_bytes=draw(hs.sampled_from([0, 0, 5])),
         carries=carries,
         grad_bytes=grads,
+        carry_grads=carry_grads,
     )

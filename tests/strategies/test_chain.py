@@ -272,3 +272,25 @@ def test_carry_errors(carries: object, error: type[Exception], match: str) -> No
             kwargs.pop("forward_cost"),  # type: ignore[arg-type]
             carries=carries,  # type: ignore[arg-type]
         )
+
+
+@pytest.mark.parametrize(
+    ("carry_grads", "error", "match"),
+    [
+        ([(0, 1, 8)], ValueError, r"^Chain: carry_grads\[0\] has last_consumer 1, outside 2\.\.4"),
+        ([(0, 2, -1)], ValueError, r"^Chain: carry_grads\[0\]\[2\] must not be negative"),
+        ("02", TypeError, r"^Chain: carry_grads must be a sequence of \(producer, last_consumer"),
+    ],
+)
+def test_carry_grad_errors(carry_grads: object, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        Chain(1, [1] * 4, [1] * 4, [1.0] * 4, carry_grads=carry_grads)  # type: ignore[arg-type]
+
+
+def test_carry_grads_are_sorted_and_compared() -> None:
+    chain = Chain(1, [1] * 4, [1] * 4, [1.0] * 4, carry_grads=[(1, 4, 3), (0, 2, 5)])
+    assert chain.carry_grads == ((0, 2, 5), (1, 4, 3))
+    assert chain != Chain(1, [1] * 4, [1] * 4, [1.0] * 4)
+    # Gradients of (0, 2) at backward moments 1..2, of (1, 4) (a model output) at 2..3;
+    # while a segment ending at e recomputes, those with producer + 1 < e <= consumer.
+    assert chain.live_gradients() == ((0, 5, 8, 3), (0, 0, 5, 3, 3))

@@ -120,6 +120,27 @@ def test_segment_holding_a_carry_by_hand() -> None:
     ]
 
 
+def test_carry_gradient_lives_from_consumer_to_producer_by_hand() -> None:
+    # Chain D, plus a 5-byte gradient for the carry: made by layer 2's backward,
+    # used by layer 0's (where it is part of the gradient of x_1, already counted).
+    # live_gradients: G = (6, 5+5, 3+5), R = (6, 5, 3+5, 0).
+    chain = Chain(
+        2,
+        [4, 4, 4],
+        [8, 8, 4],
+        [1.0] * 3,
+        carries=[(0, 2, 4)],
+        grad_bytes=[1, 2, 3],
+        carry_grads=[(0, 2, 5)],
+    )
+    assert chain.live_gradients() == ((6, 10, 8), (6, 5, 8, 0))
+    # The backward moments of layers 2 and 1 gain 5 bytes; forward moments do not change.
+    assert [e.live_bytes for e in timeline(chain, [])] == [10, 18, 22, 38, 36, 22]
+    # [0, 2): recompute moments see R_2 = 3 + 5: 17 + 5 and 25 + 5.
+    assert [e.live_bytes for e in timeline(chain, [(0, 2)])] == [6, 10, 14, 30, 22, 30, 36, 22]
+    assert simulate(chain, [(0, 2)]) == Estimate(36, 2.0)
+
+
 def test_a_large_carry_sets_the_peak_in_a_forward_moment() -> None:
     # Chain D with a 40-byte carry (larger than anything its producer saves).
     chain = Chain(2, [4, 4, 4], [8, 8, 4], [1.0] * 3, carries=[(0, 2, 40)], grad_bytes=[1, 2, 3])

@@ -14,18 +14,19 @@ NOTE [ The element formula ]
     `saved_bytes`), which is what makes a DP over positions exact:
 
         stored i:   L = saved_i + a_{i+1} + a_i + ws_i + G_i
-        [s, e):     L = max_{s<=j<e} max(a_e + G_e + S(s..j) + ws_j,           (recompute)
+        [s, e):     L = max_{s<=j<e} max(a_e + R_e + S(s..j) + ws_j,           (recompute)
                                          S(s..j) + a_{j+1} + a_j + ws_j + G_j, (backward)
                                          C(s, j) + [j>s] a_j + a_{j+1} + ws_j) (forward)
 
-    with `S(s..j) = saved_s + ... + saved_j`. A stored layer's forward moment
-    `saved_i + ws_i` is below its backward one. `G` only adds to backward-phase
-    moments, so it never breaks a domination. A segment's forward moment of
+    with `S(s..j) = saved_s + ... + saved_j` and the live gradients `G_k`, `R_e`
+    of `Chain.live_gradients`. A stored layer's forward moment `saved_i + ws_i`
+    is below its backward one. `G` and `R` only add to backward-phase moments,
+    so they never break a domination. A segment's forward moment of
     layer `j` holds `C(s, j)`, the carries made by layers `s..j-2`; when every
     layer's outgoing carries fit in its `saved_bytes` (`Problem.forward_dominated`,
     true for realistic chains where a carried tensor is part of its producer's
     output), `C(s, j) <= S(s..j-2)` and the forward term is below the backward
-    one, so it is skipped. The step-end moment `a_0 + G_0` is below layer 0's
+    one, so it is skipped. The step-end moment `a_0 + R_0` is below layer 0's
     backward moment, whatever the plan.
 
     With prefix sums `Ss`, the recompute and backward terms are `g1[j] - Ss[s]`
@@ -141,14 +142,12 @@ class Problem:
         act = [chain.input_bytes, *chain.output_bytes]
         saved = list(chain.saved_bytes)
         ws = list(chain.workspace_bytes)
-        grads = [0] * (n + 1)  # grads[k] = G_k
-        for k in range(n - 1, -1, -1):
-            grads[k] = grads[k + 1] + chain.grad_bytes[k]
+        backward_grads, recompute_grads = chain.live_gradients()  # G_k, R_e
         carried_out = [0] * n  # bytes of the carries each layer makes
         for i, _, size in chain.carries:
             carried_out[i] += size
         upper = [max(kept, out) for kept, out in zip(saved, carried_out)]
-        total = sum(act) + sum(saved) + sum(ws) + sum(carried_out) + grads[0]
+        total = sum(act) + sum(saved) + sum(ws) + sum(carried_out) + max(backward_grads)
         bound = 2 * total + 1  # above any peak - overhead
         bytes_fit = (n + 2) * (4 * bound + 8) < _LIMIT
 
@@ -179,7 +178,7 @@ class Problem:
         a = arr(act)
         sv = arr(saved)
         wk = arr(ws)
-        G = arr(grads)
+        G = arr([*backward_grads, 0])
         Ss = np.concatenate([arr([0]), np.cumsum(sv)])
         g1 = Ss[1:] + wk
         g2 = Ss[1:] + a[1:] + a[:-1] + wk + G[:-1]
@@ -202,7 +201,7 @@ class Problem:
             Lst=Lst,
             g1=g1,
             g2=g2,
-            aG=a + G,
+            aG=a + arr(list(recompute_grads)),
             Ss=Ss,
             P0=chain.input_bytes + np.concatenate([arr([0]), np.cumsum(arr(upper))]),
             Cs=Cs,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 from collections.abc import Iterable, Mapping, Sequence
@@ -50,6 +51,13 @@ class Chain:
         grad_bytes: bytes of the parameter gradients layer `i` produces in its
             backward pass (default zeros); they stay alive until the end of the
             step.
+        carry_grads: gradients of skip connections, sorted `(producer,
+            last_consumer, bytes)` triples like `carries`: the backward pass of
+            `last_consumer` makes a gradient of `bytes` for a tensor that layer
+            `producer` output, and it stays alive until the backward pass of
+            `producer` uses it (default none). Usually one per float carry. At
+            the producer's own backward it is part of the gradient of
+            `x_{producer+1}`, as the carry is part of that output.
 
     Example:
         >>> chain = Chain(1024, [2048, 2048, 512], [4096, 2048, 512], [1.0, 2.0, 0.5])
@@ -72,6 +80,7 @@ class Chain:
     names: tuple[str, ...]
     carries: tuple[tuple[int, int, int], ...]
     grad_bytes: tuple[int, ...]
+    carry_grads: tuple[tuple[int, int, int], ...]
 
     def __init__(
         self,
@@ -86,6 +95,7 @@ class Chain:
         names: Iterable[str] | None = None,
         carries: Iterable[Sequence[int]] = (),
         grad_bytes: Iterable[int] | None = None,
+        carry_grads: Iterable[Sequence[int]] = (),
     ) -> None:
         """Validates and stores the costs; see the class docstring for the fields.
 
@@ -133,6 +143,7 @@ class Chain:
         layer_names = tuple(f"layer_{i}" for i in range(n)) if names is None else _names(names, n=n)
         grads = (0,) * n if grad_bytes is None else _byte_tuple("grad_bytes", grad_bytes, n=n)
         skips = _carries(carries, n=n)
+        skip_grads = _carries(carry_grads, n=n, name="carry_grads")
         object.__setattr__(self, "input_bytes", inputs)
         object.__setattr__(self, "output_bytes", outputs)
         object.__setattr__(self, "saved_bytes", saved)
@@ -143,6 +154,7 @@ class Chain:
         object.__setattr__(self, "names", layer_names)
         object.__setattr__(self, "carries", skips)
         object.__setattr__(self, "grad_bytes", grads)
+        object.__setattr__(self, "carry_grads", skip_grads)
 
     @classmethod
     def homogeneous(cls, n: int, *, activation_bytes: int, cost: float = 1.0) -> Chain:
@@ -194,6 +206,39 @@ class Chain:
         """
         return sum(b for i, j, b in self.carries if start <= i < stop - 1 and j >= stop)
 
+    def live_gradients(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Gradient bytes alive in the backward pass, whatever the plan.
+
+        Returns `(backward, recompute)`: `backward[k]` (for `k` in `0..n-1`) is
+        what is alive while layer `k`'s backward pass runs besides the
+        gradients of `x_k` and `x_{k+1}`: `G_k`, plus the `carry_grads` `(i, j,
+        b)` with `i < k <= j`. `recompute[e]` (for `e` in `0..n`) is what is
+        alive while a segment ending at `e` runs forward again (after the
+        backward pass of layer `e`) besides the gradient of `x_e`: `G_e`, plus
+        the `carry_grads` with `i + 1 < e <= j`. See
+        `tfrecompute.strategies.memory`.
+
+        Example:
+            >>> chain = Chain(1, [1] * 4, [1] * 4, [1.0] * 4, grad_bytes=[1, 0, 0, 2],
+            ...               carry_grads=[(0, 2, 10)])
+            >>> chain.live_gradients()
+            ((3, 12, 12, 2), (3, 2, 12, 2, 0))
+        """
+        n = self.n
+        params = [0] * (n + 1)  # params[k] = G_k
+        for k in range(n - 1, -1, -1):
+            params[k] = params[k + 1] + self.grad_bytes[k]
+        at = [0] * (n + 1)  # differences: carry gradients at backward moments
+        between = [0] * (n + 2)  # differences: carry gradients after backward of e
+        for i, j, size in self.carry_grads:
+            at[i + 1] += size
+            at[min(j, n - 1) + 1] -= size
+            between[i + 2] += size
+            between[j + 1] -= size
+        backward = tuple(g + c for g, c in zip(params, itertools.accumulate(at[:n])))
+        recompute = tuple(g + c for g, c in zip(params, itertools.accumulate(between[: n + 1])))
+        return backward, recompute
+
 
 def _check_length(name: str, items: tuple[object, ...], n: int | None, values: object) -> None:
     if n is not None and len(items) != n:
@@ -219,12 +264,12 @@ def _cost_tuple(name: str, values: object, *, n: int) -> tuple[float, ...]:
     return tuple(as_cost(_API, f"{name}[{i}]", item) for i, item in enumerate(items))
 
 
-def _carries(values: object, *, n: int) -> tuple[tuple[int, int, int], ...]:
+def _carries(values: object, *, n: int, name: str = "carries") -> tuple[tuple[int, int, int], ...]:
     if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable):
         fail(
             _API,
-            "carries must be a sequence of (producer, last_consumer, bytes) triples",
-            "carries",
+            f"{name} must be a sequence of (producer, last_consumer, bytes) triples",
+            name,
             values,
             "Pass e.g. [(2, 5, 4096)], or () for a plain chain",
             error=TypeError,
@@ -241,28 +286,28 @@ def _carries(values: object, *, n: int) -> tuple[tuple[int, int, int], ...]:
         ):
             fail(
                 _API,
-                f"carries[{k}] is not a (producer, last_consumer, bytes) triple of ints",
-                f"carries[{k}]",
+                f"{name}[{k}] is not a (producer, last_consumer, bytes) triple of ints",
+                f"{name}[{k}]",
                 item,
                 "Pass each carry as a triple of ints, e.g. (2, 5, 4096)",
                 error=TypeError,
             )
         producer, consumer = int(triple[0]), int(triple[1])
-        size = as_byte_count(_API, f"carries[{k}][2]", triple[2])
+        size = as_byte_count(_API, f"{name}[{k}][2]", triple[2])
         if not 0 <= producer < n:
             fail(
                 _API,
-                f"carries[{k}] has producer {producer}, outside the chain's layers 0..{n - 1}",
-                f"carries[{k}]",
+                f"{name}[{k}] has producer {producer}, outside the chain's layers 0..{n - 1}",
+                f"{name}[{k}]",
                 item,
                 f"Keep 0 <= producer <= {n - 2}",
             )
         if not producer + 2 <= consumer <= n:
             fail(
                 _API,
-                f"carries[{k}] has last_consumer {consumer}, outside {producer + 2}..{n}; a "
+                f"{name}[{k}] has last_consumer {consumer}, outside {producer + 2}..{n}; a "
                 "carry skips at least one layer and last_consumer=n means needed until the end",
-                f"carries[{k}]",
+                f"{name}[{k}]",
                 item,
                 "Keep producer + 2 <= last_consumer <= n (a tensor used only by the next "
                 "layer is its output, not a carry)",

@@ -15,17 +15,23 @@ segment. Write `a_i` for the size of `x_i` (`a_0 = input_bytes`,
 `overhead_bytes` is added to every moment below. `H` is the memory held
 between layers; it starts at `a_0`.
 
-Two terms come from `carries` and `grad_bytes`:
+Three terms come from `carries`, `grad_bytes` and `carry_grads`:
 
 * `C(s, e)` (`Chain.carried_bytes`): the sum of `bytes` over the carries
   `(i, j, bytes)` with `s <= i < e - 1` and `j >= e`, the skip tensors made
   inside `[s, e)` (other than its output `x_e`) and still needed at layer `e`.
   A carry made by a stored layer is part of its `saved_bytes` when a backward
   pass needs it and is not counted again; one made by layer `e - 1` is `x_e`.
-* `G_k = grad_bytes[k] + ... + grad_bytes[n-1]` (`G_n = 0`): the parameter
-  gradients alive once layer `k`'s backward pass has run (they stay until the
-  optimizer step). It does not depend on the plan and is added to backward-phase
-  moments only.
+* `G_k` and `R_e` (`Chain.live_gradients`): gradients alive in the backward
+  pass whatever the plan. `G_k` is alive while layer `k`'s backward pass runs:
+  the parameter gradients `grad_bytes[k] + ... + grad_bytes[n-1]` (they stay
+  until the optimizer step) plus the `carry_grads` `(i, j, bytes)` with
+  `i < k <= j` (a skip tensor's gradient, made by the backward pass of its last
+  consumer `j`; at its producer `i` it is part of the gradient of `x_{i+1}`).
+  `R_e` is alive while a segment ending at `e` runs forward again, after the
+  backward pass of layer `e`: the parameter gradients of layers `e..n-1` plus
+  the `carry_grads` with `i + 1 < e <= j`. Both add to backward-phase moments
+  only.
 
 Forward, elements in order (no gradients are live yet):
 
@@ -46,12 +52,12 @@ Backward, elements in reverse order; the gradient of the element's output,
 * segment `[s, e)`: first `H -= a_e + C(s, e)` (the held outputs are dropped; the
   recompute makes fresh copies). Phase "recompute": layers `s..e-1` run
   forward again, each now stored, before any of them has produced gradients:
-  while layer `j` runs, live = `H + a_e + S(s..j) + ws_j + G_e`. Then their
+  while layer `j` runs, live = `H + a_e + S(s..j) + ws_j + R_e`. Then their
   backward, layer `j = e-1` down to `s`, as stored layers: live =
   `H + S(s..j) + a_{j+1} + a_j + ws_j + G_j`, and `saved_j` is released after it.
 
 The step ends with the optimizer update, when `H = a_0` and all parameter
-gradients `G_0` are live: `a_0 + G_0`. That moment is part of the model but is
+gradients are live: `a_0 + R_0`. That moment is part of the model but is
 never above the backward moment of layer 0 (the same plus `saved_0`, the
 gradients of `x_0` and `x_1`, and `ws_0`), so it is folded into it: the timeline
 ends with the backward of layer 0.
@@ -192,7 +198,7 @@ def _events(
     work = chain.workspace_bytes
     base = chain.overhead_bytes
     act = (chain.input_bytes, *out)  # act[i] is the size of x_i
-    grads = _suffix_sums(chain.grad_bytes)  # grads[k] is G_k
+    grads, regrads = chain.live_gradients()  # G_k, R_e
     elements = _elements(chain.n, segments)
     carried: dict[int, list[int]] = {}  # segment start -> [C(s, s), ..., C(s, e)]
     none = [0] * (chain.n + 1)  # the carry profile of any segment when there are no carries
@@ -218,18 +224,11 @@ def _events(
         again = 0
         for j in range(s, e):
             again += saved[j]
-            yield ("recompute", j, base + held + act[e] + again + work[j] + grads[e])
+            yield ("recompute", j, base + held + act[e] + again + work[j] + regrads[e])
         for j in range(e - 1, s - 1, -1):
             live = held + again + act[j + 1] + act[j] + work[j] + grads[j]
             yield ("backward", j, base + live)
             again -= saved[j]
-
-
-def _suffix_sums(values: Sequence[int]) -> list[int]:
-    """`[sum(values[k:]) for k in range(len(values) + 1)]` in linear time."""
-    sums = list(itertools.accumulate(reversed(values), initial=0))
-    sums.reverse()
-    return sums
 
 
 def carry_profile(chain: Chain, s: int, e: int) -> list[int]:
