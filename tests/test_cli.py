@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import pathlib
 import subprocess
 import sys
@@ -76,16 +77,17 @@ def test_plan_with_budget_on_functional_model(models, capsys):
             "--strategy",
             "optimal",
             "--budget",
-            "500KiB",
+            "600KiB",
         ]  # fmt: skip
     )
     out = capsys.readouterr().out
     assert code == 0
     assert "Plan 'optimal'" in out and "(proven optimal)" in out
     rows = [line for line in out.splitlines() if "recomputed" in line]
-    assert rows and any("block0_b+block0_add" in row for row in rows)  # a merged link
+    # a merged link (a Dense and the Add after it) is among the recomputed ones
+    assert rows and any(re.search(r"block\d_b\+block\d_add", row) for row in rows)
     peak = int(out.split("Predicted peak: ")[1].split("(")[1].split()[0])
-    assert peak <= 500 * 1024
+    assert peak <= 600 * 1024
 
 
 def test_profile_table(models, capsys):

@@ -75,6 +75,10 @@ class _ModelChain:
         return [(self.groups[s][0], self.groups[e - 1][1]) for s, e in segments]
 
 
+def _is_float(tensor: keras.KerasTensor) -> bool:
+    return "float" in keras.backend.standardize_dtype(tensor.dtype)
+
+
 def _symbolic_args(call: Any) -> list[keras.KerasTensor]:
     flat = keras.tree.flatten((call.args, call.kwargs))
     return list({id(t): t for t in flat if isinstance(t, keras.KerasTensor)}.values())
@@ -147,16 +151,26 @@ def _profile_graph(
 
     # A tensor used beyond the next link (a residual shortcut, a long skip) is
     # an extra output of any segment that makes it but ends before its use.
-    carries = []
-    for info in graph.tensors.values():
+    # Its gradient (for a float tensor) is made by the backward of its last
+    # consumer and lives until the backward of its producer.
+    carries, carry_grads = [], []
+    carried_in: set[tuple[int, int]] = set()  # (tensor id, consuming link) of carries
+    for key, info in graph.tensors.items():
         if info.producer < 0:
             continue
         producer = link_of[info.producer]
         last = n if info.is_output else link_of[info.last_use]
         if last >= producer + 2:
             carries.append((producer, last, size(info.tensor)))
+            carried_in.update((key, link_of[c]) for c in info.consumers)
+            if _is_float(info.tensor):
+                carry_grads.append((producer, last, size(info.tensor)))
+
+    def gradients(tensors: Sequence[keras.KerasTensor]) -> int:
+        return sum(size(t) for t in tensors if _is_float(t))
 
     names = graph.names
+    input_bytes = sum(size(t) for t in graph.model.inputs)
     output_bytes, saved_bytes, workspace_bytes, costs, link_names = [], [], [], [], []
     for first, stop in groups:
         _, live_out = graph.segment_io(first, stop)
@@ -167,8 +181,22 @@ def _profile_graph(
         )
         output_bytes.append(out)
         saved_bytes.append(max(saved, out))
-        workspace = max(memories[i].workspace_bytes for i in range(first, stop))
         link = len(workspace_bytes)
+        # NOTE [ Backward inside a link ]
+        # The chain sees a link's backward as one moment with the gradients of
+        # its output and input live. Inside a link of several calls, one call's
+        # backward holds the gradients of that call's own outputs and inputs,
+        # which can be larger (an up-sampling merged with the concatenation
+        # after it: the gradient of the up-sampled tensor is 4x the link's
+        # input). The excess over the link's gradients counts as workspace.
+        # Carried inputs are left out: their gradients are `carry_grads`.
+        link_in = output_bytes[-2] if link else input_bytes
+        workspace = 0
+        for i in range(first, stop):
+            call = graph.calls[i]
+            inputs = [t for t in _symbolic_args(call) if (id(t), link) not in carried_in]
+            own = gradients(call.outputs) + gradients(inputs) - out - link_in
+            workspace = max(workspace, memories[i].workspace_bytes + max(own, 0))
         workspace_bytes.append(workspace if keep_all else workspace + sum(grads[link : link + 3]))
         costs.append(
             sum(
@@ -181,7 +209,6 @@ def _profile_graph(
             if stop - first <= 3
             else f"{names[first]}+…+{names[stop - 1]}"
         )
-    input_bytes = sum(size(t) for t in graph.model.inputs)
     chain = strategies.Chain(
         input_bytes,
         output_bytes,
@@ -190,6 +217,7 @@ def _profile_graph(
         workspace_bytes=workspace_bytes,
         grad_bytes=grads if keep_all else None,
         carries=carries,
+        carry_grads=carry_grads,
         names=link_names,
     )
     return _ModelChain(graph, chain, tuple(groups))
