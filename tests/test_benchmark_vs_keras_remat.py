@@ -1,0 +1,89 @@
+"""`benchmarks/vs_keras_remat.py --smoke` runs every variant and writes its JSON and Markdown."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+KERAS_MODES = ("full", "activations", "larger_than", "list_of_layers")
+TFRECOMPUTE_ROWS = ("none", "tfrecompute sqrt", "tfrecompute optimal")
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
+    out = tmp_path_factory.mktemp("vs_keras_remat")
+    result = subprocess.run(
+        [sys.executable, "benchmarks/vs_keras_remat.py", "--smoke", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (out / "vs_keras_remat.json").is_file() and (out / "vs_keras_remat.md").is_file()
+    return json.loads((out / "vs_keras_remat.json").read_text()), (
+        out / "vs_keras_remat.md"
+    ).read_text()
+
+
+def _rows(report: dict, model: str) -> dict[str, dict]:
+    (result,) = [r for r in report["results"] if r["model"] == model]
+    return {row["variant"]: row for row in result["rows"]}
+
+
+@pytest.mark.slow
+def test_smoke_writes_both_models_and_the_machine(smoke: tuple[dict, str]) -> None:
+    report, table = smoke
+    assert report["config"] == "smoke"
+    assert [r["model"] for r in report["results"]] == ["dense_chain", "encoder"]
+    assert report["versions"]["keras"] and report["versions"]["tensorflow"]
+    assert table.startswith("# keras.RematScope against tfrecompute")
+    assert f"{report['machine']['cpu_count']} CPUs" in table
+    for variant in (*TFRECOMPUTE_ROWS, *(f"keras {mode}" for mode in KERAS_MODES)):
+        assert f"| {variant} |" in table
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["dense_chain", "encoder"])
+def test_every_remat_scope_mode_is_measured_or_a_reported_crash(
+    smoke: tuple[dict, str], model: str
+) -> None:
+    rows = _rows(smoke[0], model)
+    for mode in KERAS_MODES:
+        row = rows[f"keras {mode}"]
+        if row["error"] is None:
+            assert row["peak_bytes"] > 0 and row["seconds"] > 0, row
+            assert row["fit_graph"] is True, row
+        else:
+            assert isinstance(row["error"], str) and row["error"].strip(), row
+            assert row["peak_bytes"] is None, row
+        assert row["fit_graph"] is not None and row["fit_eager"] is not None, row
+        if row["fit_graph"] is False:
+            assert row["fit_graph_error"].strip(), row
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["dense_chain", "encoder"])
+def test_tfrecompute_rows_run_with_exact_gradients(smoke: tuple[dict, str], model: str) -> None:
+    rows = _rows(smoke[0], model)
+    for variant in TFRECOMPUTE_ROWS:
+        row = rows[variant]
+        assert row["error"] is None and row["fit_graph"] is True, row
+        assert row["peak_bytes"] > 0 and row["seconds"] > 0 and row["time_ratio"] > 0, row
+        # graph mode, same weights and dropout seeds as the no-recompute model
+        assert row["grad_mode"] == "graph" and row["grad_max_diff"] < 1e-5, row
+    assert rows["none"]["memory_ratio"] == rows["none"]["time_ratio"] == 1.0
+    assert rows["tfrecompute sqrt"]["segments"] >= 2
+
+
+@pytest.mark.slow
+def test_sqrt_measures_less_than_none_on_the_dense_chain(smoke: tuple[dict, str]) -> None:
+    rows = _rows(smoke[0], "dense_chain")
+    assert rows["tfrecompute sqrt"]["peak_bytes"] < rows["none"]["peak_bytes"]
