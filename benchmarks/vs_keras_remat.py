@@ -64,12 +64,15 @@ CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     "full": {
         "dense_chain": {"layers": 16, "width": 512, "batch": 1024},
         "encoder": {"layers": 4, "sequence": 64, "hidden": 128, "batch": 64},
-        "cnn": {"blocks": 3, "size": 32, "filters": 32, "batch": 64},
+        # Four convolutions per stage: memory spread over many layers, so that
+        # checkpointing has something to save (with two, the first layer's
+        # backward sets the peak whatever the plan).
+        "cnn": {"blocks": 2, "convs": 4, "size": 32, "filters": 32, "batch": 64},
     },
     "smoke": {
         "dense_chain": {"layers": 8, "width": 256, "batch": 1024},
         "encoder": {"layers": 1, "sequence": 64, "hidden": 64, "batch": 32},
-        "cnn": {"blocks": 1, "size": 32, "filters": 16, "batch": 32},
+        "cnn": {"blocks": 1, "convs": 2, "size": 32, "filters": 16, "batch": 32},
     },
 }
 
@@ -122,17 +125,17 @@ def _dense_chain(layers: int, width: int) -> Any:
     )
 
 
-def _cnn(blocks: int, size: int, filters: int) -> Any:
+def _cnn(blocks: int, convs: int, size: int, filters: int) -> Any:
     import keras
 
     layers: list[Any] = [keras.Input((size, size, 3))]
     for block in range(blocks):
         channels = filters * 2**block
         layers += [
-            keras.layers.Conv2D(channels, 3, padding="same", activation="relu"),
-            keras.layers.Conv2D(channels, 3, padding="same", activation="relu"),
-            keras.layers.MaxPooling2D(),
+            keras.layers.Conv2D(channels, 3, padding="same", activation="relu")
+            for _ in range(convs)
         ]
+        layers.append(keras.layers.MaxPooling2D())
     layers += [keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(10)]
     return keras.Sequential(layers, name="cnn")
 
@@ -142,7 +145,7 @@ def build(name: str, config: dict[str, int]) -> Any:
     if name == "dense_chain":
         return _dense_chain(config["layers"], config["width"])
     if name == "cnn":
-        return _cnn(config["blocks"], config["size"], config["filters"])
+        return _cnn(config["blocks"], config["convs"], config["size"], config["filters"])
     from tests import models_zoo
 
     return models_zoo.transformer_encoder(
