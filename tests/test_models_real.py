@@ -33,7 +33,7 @@ MODELS = {
 # (|predicted / measured - 1|), for the none, sqrt and optimal plans, measured
 # by benchmarks/prediction_accuracy.py in a fresh process per model. The
 # target is 15%. Errors seen over several runs: encoder -12% to +7%,
-# MobileNetV2 -23% to -4%, ResNet50 -18% to -11%, U-Net -31% to -4%; the
+# MobileNetV2 -23% to -2%, ResNet50 -24% to -3%, U-Net -31% to -4%; the
 # measured peak of one plan varies by up to about 15% between runs (the
 # order in which TensorFlow's two inter-op threads run ops changes which
 # tensors are alive together), so the bounds leave room for that.
