@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import os
-import re
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -211,3 +212,40 @@ def test_python_m_help():
     assert result.returncode == 0, result.stderr[-2000:]
     for command in ("plan", "profile", "frontier", "timeline", "demo"):
         assert command in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("done", "total", "bar"),
+    [
+        (0, 10, "[----------]  0/10"),
+        (5, 10, "[#####-----]  5/10"),
+        (7, 10, "[#######---]  7/10"),
+        (10, 10, "[##########] 10/10"),
+        (1, 3, "[###-------] 1/3"),
+        (0, 0, "[##########] 0/0"),
+    ],
+)
+def test_progress_bar(done, total, bar):
+    from tfrecompute.cli import _progress_bar
+
+    assert _progress_bar(done, total, width=10) == f"profiling {bar} layer calls"
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_profile_draws_a_progress_bar_on_a_terminal(models):
+    from tfrecompute.cli import _profile
+
+    terminal = _Terminal()
+    chain = _profile(keras.models.load_model(models["residual"]), 64, progress=terminal)
+    frames = terminal.getvalue().split("\r")[1:]
+    assert chain.n > 0
+    # One frame per analysed call, filling up, then the summary over the bar.
+    counts = [f.split("] ")[1].split(" layer")[0] for f in frames[:-1]]
+    assert counts == [f"{i:>2}/10" for i in range(1, 11)]
+    assert frames[-2].startswith("profiling [" + "#" * 30 + "]")
+    assert frames[-1].startswith("profiled 10 layer calls in ") and frames[-1].endswith("\n")
+    assert len(frames[-1].rstrip("\n")) >= len(frames[-2])

@@ -187,8 +187,21 @@ def _library_errors() -> Iterator[None]:
         raise CliError(str(error)) from None
 
 
+def _progress_bar(done: int, total: int, *, width: int = 30) -> str:
+    """One line of the profiling progress bar, e.g. `profiling [#####-----]  5/10 layer calls`."""
+    filled = width * done // total if total > 0 else width
+    digits = len(str(total))
+    return (
+        f"profiling [{'#' * filled}{'-' * (width - filled)}] {done:>{digits}}/{total} layer calls"
+    )
+
+
 def _profile(model: Any, batch_size: int, *, progress: TextIO | None = None) -> strategies.Chain:
-    """`tfrecompute.profile`, with a counter of analysed layer calls on `progress`."""
+    """`tfrecompute.profile`, with a progress bar of analysed layer calls on `progress`.
+
+    The bar is redrawn in place on a terminal; elsewhere (a pipe, a log file)
+    only the closing summary line is written.
+    """
     import tfrecompute
 
     if progress is None:
@@ -200,14 +213,14 @@ def _profile(model: Any, batch_size: int, *, progress: TextIO | None = None) -> 
     def report(done: int, total: int) -> None:
         counted["total"] = total
         if interactive:
-            progress.write(f"\rprofiling: layer call {done}/{total}")
+            progress.write(f"\r{_progress_bar(done, total)}")
             progress.flush()
 
     chain = tfrecompute.profile(model, batch_size, progress=report)
-    progress.write(
-        f"{chr(13) if interactive else ''}profiled {counted['total']} layer calls in "
-        f"{time.perf_counter() - start:.1f} s\n"
-    )
+    summary = f"profiled {counted['total']} layer calls in {time.perf_counter() - start:.1f} s"
+    if interactive:  # overwrite the whole bar
+        summary = "\r" + summary.ljust(len(_progress_bar(counted["total"], counted["total"])))
+    progress.write(summary + "\n")
     progress.flush()
     return chain
 
