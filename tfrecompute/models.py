@@ -75,10 +75,6 @@ class _ModelChain:
         return [(self.groups[s][0], self.groups[e - 1][1]) for s, e in segments]
 
 
-def _is_float(tensor: keras.KerasTensor) -> bool:
-    return "float" in keras.backend.standardize_dtype(tensor.dtype)
-
-
 def _symbolic_args(call: Any) -> list[keras.KerasTensor]:
     flat = keras.tree.flatten((call.args, call.kwargs))
     return list({id(t): t for t in flat if isinstance(t, keras.KerasTensor)}.values())
@@ -98,8 +94,8 @@ def _profile_graph(
     # once, at its producer, plus what its calls keep inside.
     cache: dict[tuple[Any, ...], CallMemory] = {}
     memories = []
-    for done, call in enumerate(graph.calls, start=1):
-        args = _symbolic_args(call)
+    call_args = [_symbolic_args(call) for call in graph.calls]
+    for done, (call, args) in enumerate(zip(graph.calls, call_args), start=1):
         key = (id(call.layer), tuple((tuple(t.shape), str(t.dtype)) for t in args))
         if key not in cache:
             cache[key] = call_memory(call.layer, call.args, call.kwargs, call.outputs, batch_size)
@@ -107,9 +103,9 @@ def _profile_graph(
         if progress is not None:
             progress(done, len(graph.calls))
     needed: set[int] = set()
-    for call, memory in zip(graph.calls, memories):
+    for call, args, memory in zip(graph.calls, call_args, memories):
         needed.update(id(t) for t, read in zip(call.outputs, memory.reads_outputs) if read)
-        needed.update(id(t) for t, read in zip(_symbolic_args(call), memory.reads_inputs) if read)
+        needed.update(id(t) for t, read in zip(args, memory.reads_inputs) if read)
 
     def size(tensor: keras.KerasTensor) -> int:
         return tensor_bytes(tensor.shape, tensor.dtype, batch_size)
@@ -163,11 +159,11 @@ def _profile_graph(
         if last >= producer + 2:
             carries.append((producer, last, size(info.tensor)))
             carried_in.update((key, link_of[c]) for c in info.consumers)
-            if _is_float(info.tensor):
+            if keras.backend.is_float_dtype(info.tensor.dtype):
                 carry_grads.append((producer, last, size(info.tensor)))
 
     def gradients(tensors: Sequence[keras.KerasTensor]) -> int:
-        return sum(size(t) for t in tensors if _is_float(t))
+        return sum(size(t) for t in tensors if keras.backend.is_float_dtype(t.dtype))
 
     names = graph.names
     input_bytes = sum(size(t) for t in graph.model.inputs)
@@ -193,9 +189,8 @@ def _profile_graph(
         link_in = output_bytes[-2] if link else input_bytes
         workspace = 0
         for i in range(first, stop):
-            call = graph.calls[i]
-            inputs = [t for t in _symbolic_args(call) if (id(t), link) not in carried_in]
-            own = gradients(call.outputs) + gradients(inputs) - out - link_in
+            inputs = [t for t in call_args[i] if (id(t), link) not in carried_in]
+            own = gradients(graph.calls[i].outputs) + gradients(inputs) - out - link_in
             workspace = max(workspace, memories[i].workspace_bytes + max(own, 0))
         workspace_bytes.append(workspace if keep_all else workspace + sum(grads[link : link + 3]))
         costs.append(
