@@ -50,17 +50,20 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # for `benchmarks._report` (and this checkout's tfrecompute)
+
+from benchmarks import _report  # noqa: E402
+
 VARIANTS = ("none", "sqrt", "optimal")
 FULL = {"depths": (8, 16, 32, 64, 128), "width": 256, "batch_size": 1024, "steps": 5, "rounds": 5}
 SMOKE = {"depths": (4, 8, 16), "width": 128, "batch_size": 1024, "steps": 3, "rounds": 2}
@@ -245,25 +248,6 @@ def exponents(results: list[dict[str, Any]]) -> dict[str, dict[str, float | None
     return fits
 
 
-def machine() -> dict[str, Any]:
-    import importlib.metadata
-
-    def version(name: str) -> str | None:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "python": sys.version.split()[0],
-        "tensorflow": version("tensorflow"),
-        "keras": version("keras"),
-        "cpu_count": os.cpu_count(),
-    }
-
-
 def _exp(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
@@ -384,18 +368,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(json.dumps(measure_depth(args.worker, width, batch_size, steps, rounds)))
         return {}
 
-    if args.out is not None:
-        out = args.out
-    elif args.smoke:
-        out = Path(tempfile.mkdtemp(prefix="depth_scaling_"))
-    else:
-        out = ROOT / "benchmarks" / "results"
-    out.mkdir(parents=True, exist_ok=True)
+    out = _report.output_dir(args.out, smoke=args.smoke, name="depth_scaling")
 
     start = time.perf_counter()
     results = [run_in_subprocess(depth, width, batch_size, steps, rounds) for depth in depths]
     report: dict[str, Any] = {
-        "machine": machine(),
+        "machine": {**_report.machine(), **_report.versions("tensorflow", "keras")},
         "smoke": args.smoke,
         "settings": {
             "model": "Sequential of Dense(width, tanh)",
@@ -413,15 +391,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "exponents": exponents(results),
         "wall_seconds": time.perf_counter() - start,
     }
-    (out / "depth_scaling.json").write_text(json.dumps(report, indent=2) + "\n")
-    table = markdown(report)
-    (out / "depth_scaling.md").write_text(table)
-    plotted = plot(report, out / "depth_scaling.png")
-    print(table)
-    written = ", ".join(
-        str(out / f"depth_scaling.{ext}") for ext in ("json", "md", "png")[: 3 if plotted else 2]
-    )
-    print(f"wrote {written}")
+    _report.write(out, "depth_scaling", report, markdown(report))
+    if plot(report, out / "depth_scaling.png"):
+        print(f"wrote {out / 'depth_scaling.png'}")
     return report
 
 

@@ -47,17 +47,20 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # for `benchmarks._report` (and this checkout's tfrecompute)
+
+from benchmarks import _report  # noqa: E402
+
 MIB = 1 << 20
 
 ROWS: dict[str, dict[str, Any]] = {
@@ -401,15 +404,6 @@ def run_worker(task: list[str], config: dict[str, Any]) -> dict[str, Any]:
 # ----------------------------------------------------------------------- report
 
 
-def machine() -> dict[str, Any]:
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "python": sys.version.split()[0],
-        "cpu_count": os.cpu_count(),
-    }
-
-
 def _mib(value: int | None) -> str:
     return "-" if value is None else f"{value / MIB:.1f}"
 
@@ -514,13 +508,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         config["cap_bytes"] = args.cap_mib * MIB
     if args.fixed_batch is not None:
         config["fixed_batch"] = args.fixed_batch
-    if args.out is not None:
-        out = args.out
-    elif args.smoke:
-        out = Path(tempfile.mkdtemp(prefix="encoder_table_"))
-    else:
-        out = ROOT / "benchmarks" / "results"
-    out.mkdir(parents=True, exist_ok=True)
+    out = _report.output_dir(args.out, smoke=args.smoke, name="encoder_table")
 
     start = time.perf_counter()
     if config["process_per_row"]:
@@ -530,7 +518,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         both = run_worker(["all"], config)
         searches, fixed = both["searches"], both["fixed"]
     report = {
-        "machine": machine(),
+        "machine": _report.machine(),
         "versions": fixed["versions"],
         "settings": {**config, "smoke": args.smoke},
         "rows": [
@@ -539,11 +527,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         ],
         "runtime_seconds": time.perf_counter() - start,
     }
-    (out / "encoder_table.json").write_text(json.dumps(report, indent=2) + "\n")
-    table = markdown(report)
-    (out / "encoder_table.md").write_text(table)
-    print(table)
-    print(f"wrote {out / 'encoder_table.json'} and {out / 'encoder_table.md'}")
+    _report.write(out, "encoder_table", report, markdown(report))
     return report
 
 

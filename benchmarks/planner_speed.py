@@ -30,13 +30,9 @@ the gap is measured against a search given 10x the work.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import platform
 import random
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -46,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks import _report  # noqa: E402
 from tfrecompute.strategies import (  # noqa: E402
     DEFAULT_MAX_WORK,
     Chain,
@@ -172,18 +169,6 @@ def bench_chain(family: str, n: int, *, repeats: int, reference: bool) -> dict[s
     }
 
 
-def machine() -> dict[str, Any]:
-    import numpy
-
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "python": sys.version.split()[0],
-        "numpy": numpy.__version__,
-        "cpu_count": os.cpu_count(),
-    }
-
-
 def markdown(report: dict[str, Any]) -> str:
     info = report["machine"]
     lines = [
@@ -243,13 +228,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     sizes = (12, 40) if args.smoke else (100, 200, 1000)
     repeats = 1 if args.smoke else args.repeats
-    if args.out is not None:
-        out = args.out
-    elif args.smoke:
-        out = Path(tempfile.mkdtemp(prefix="planner_speed_"))
-    else:
-        out = ROOT / "benchmarks" / "results"
-    out.mkdir(parents=True, exist_ok=True)
+    out = _report.output_dir(args.out, smoke=args.smoke, name="planner_speed")
 
     results = [
         bench_chain(family, n, repeats=repeats, reference=not args.smoke)
@@ -257,18 +236,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         for n in sizes
     ]
     report = {
-        "machine": machine(),
+        "machine": {**_report.machine(), **_report.versions("numpy")},
         "repeats": repeats,
         "max_work": DEFAULT_MAX_WORK,
         "seed": SEED,
         "shares": list(SHARES),
         "results": results,
     }
-    (out / "planner_speed.json").write_text(json.dumps(report, indent=2) + "\n")
-    table = markdown(report)
-    (out / "planner_speed.md").write_text(table)
-    print(table)
-    print(f"wrote {out / 'planner_speed.json'} and {out / 'planner_speed.md'}")
+    _report.write(out, "planner_speed", report, markdown(report))
     return report
 
 

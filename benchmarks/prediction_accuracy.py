@@ -21,6 +21,11 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # for `benchmarks._report` (and this checkout's tfrecompute)
+
+from benchmarks import _report  # noqa: E402
+
 MODELS = ("encoder", "mobilenet_v2", "resnet50", "unet")
 
 
@@ -104,7 +109,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--out", type=pathlib.Path, default=_report.RESULTS)
     parser.add_argument("--worker", choices=MODELS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -112,10 +117,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
         return []
     results = [run_in_subprocess(name, args.batch_size) for name in args.models]
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "prediction_accuracy.json").write_text(json.dumps(results, indent=2) + "\n")
-    table = _markdown(results)
-    (args.out / "prediction_accuracy.md").write_text(table)
-    print(table)
+    _report.write(args.out, "prediction_accuracy", results, _markdown(results))
     return results
 
 

@@ -42,7 +42,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -53,6 +52,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # for `benchmarks._report` (and this checkout's tfrecompute)
+
+from benchmarks import _report  # noqa: E402
+
 MODELS = ("dense_chain", "encoder", "cnn")
 KERAS_MODES = ("full", "activations", "larger_than", "list_of_layers")
 SEED = 0
@@ -459,28 +463,6 @@ def run_in_subprocesses(names: Sequence[str], config_name: str, jobs: int) -> li
 # --------------------------------------------------------------------- report
 
 
-def machine() -> dict[str, Any]:
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "python": sys.version.split()[0],
-        "cpu_count": os.cpu_count(),
-    }
-
-
-def versions() -> dict[str, str]:
-    """Versions read from the installed distributions (without importing TensorFlow)."""
-    from importlib import metadata
-
-    found = {}
-    for package in ("tensorflow", "keras", "numpy"):
-        try:
-            found[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            found[package] = "not installed"
-    return found
-
-
 def _yes_no(value: bool | None) -> str:
     return "-" if value is None else ("yes" if value else "**no**")
 
@@ -577,32 +559,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         return {}
 
     config_name = "smoke" if args.smoke else "full"
-    if args.out is not None:
-        out = args.out
-    elif args.smoke:
-        out = Path(tempfile.mkdtemp(prefix="vs_keras_remat_"))
-    else:
-        out = ROOT / "benchmarks" / "results"
-    out.mkdir(parents=True, exist_ok=True)
+    out = _report.output_dir(args.out, smoke=args.smoke, name="vs_keras_remat")
 
     started = time.perf_counter()
     models = args.models or [m for m in MODELS if not (args.smoke and m == "cnn")]
     jobs = args.jobs or (2 if args.smoke else 1)
     results = run_in_subprocesses(models, config_name, jobs)
     report = {
-        "machine": machine(),
-        "versions": versions(),
+        "machine": _report.machine(),
+        "versions": _report.versions("tensorflow", "keras", "numpy"),
         "config": config_name,
         "seed": SEED,
         "jobs": jobs,
         "seconds": time.perf_counter() - started,
         "results": results,
     }
-    (out / "vs_keras_remat.json").write_text(json.dumps(report, indent=2) + "\n")
-    table = markdown(report)
-    (out / "vs_keras_remat.md").write_text(table)
-    print(table)
-    print(f"wrote {out / 'vs_keras_remat.json'} and {out / 'vs_keras_remat.md'}")
+    _report.write(out, "vs_keras_remat", report, markdown(report))
     return report
 
 
