@@ -139,3 +139,28 @@ def assert_same_fit(
         for variable, got, want in zip(variables, state, want_state):
             np.testing.assert_allclose(got, want, atol=atol, err_msg=variable.path)
     assert any(not np.allclose(a, b) for a, b in zip(want_state, initial))
+
+
+def run_benchmark_smoke(name: str, out: Any, *, timeout: float = 600) -> tuple[dict, str]:
+    """Runs `python benchmarks/<name>.py --smoke --out <out>` in a fresh process.
+
+    Asserts that it exits 0 and returns its JSON report and Markdown table.
+    """
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    out = pathlib.Path(out)
+    result = subprocess.run(
+        [sys.executable, f"benchmarks/{name}.py", "--smoke", "--out", str(out)],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads((out / f"{name}.json").read_text()), (out / f"{name}.md").read_text()

@@ -2,37 +2,25 @@
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "depth_scaling.py"
-
-
-def _script():  # noqa: ANN202 (a module loaded from a path)
-    spec = importlib.util.spec_from_file_location("depth_scaling", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from benchmarks import depth_scaling
+from tests.helpers import run_benchmark_smoke
 
 
 @pytest.mark.parametrize("exponent", [0.5, 1.0, 2.0, -0.25])
 def test_fit_exponent_recovers_power_laws(exponent: float) -> None:
-    fit_exponent = _script().fit_exponent
+    fit_exponent = depth_scaling.fit_exponent
     depths = [8, 16, 32, 64, 128]
     values = [3.7 * d**exponent for d in depths]
     assert fit_exponent(depths, values) == pytest.approx(exponent, abs=1e-12)
 
 
 def test_fit_exponent_is_the_least_squares_slope() -> None:
-    fit_exponent = _script().fit_exponent
+    fit_exponent = depth_scaling.fit_exponent
     # log2 points (1, 0), (2, 1), (3, 3): least-squares slope 1.5 in any log base.
     assert fit_exponent([2, 4, 8], [1, 2, 8]) == pytest.approx(1.5, abs=1e-12)
     # An affine law a * L + b tends to exponent 1 from below as L grows.
@@ -54,16 +42,11 @@ def test_fit_exponent_is_the_least_squares_slope() -> None:
 )
 def test_fit_exponent_rejects_bad_input(depths: list, values: list, match: str) -> None:
     with pytest.raises(ValueError, match=f"fit_exponent: {match}"):
-        _script().fit_exponent(depths, values)
+        depth_scaling.fit_exponent(depths, values)
 
 
 def test_smoke_run_writes_results(tmp_path: Path) -> None:
-    command = [sys.executable, str(SCRIPT), "--smoke", "--out", str(tmp_path)]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-
-    report = json.loads((tmp_path / "depth_scaling.json").read_text())
-    table = (tmp_path / "depth_scaling.md").read_text()
+    report, table = run_benchmark_smoke("depth_scaling", tmp_path, timeout=300)
     assert table.startswith("# Memory against depth")
     assert str(report["machine"]["cpu_count"]) in table
 

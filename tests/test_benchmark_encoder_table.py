@@ -2,29 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "encoder_table.py"
+from benchmarks import encoder_table
+from tests.helpers import run_benchmark_smoke
+
 ROW_NAMES = ["none", "uniform", "optimal", "optimal_bf16"]
-
-
-def _load_script() -> Any:
-    spec = importlib.util.spec_from_file_location("encoder_table", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-encoder_table = _load_script()
 
 
 def linear_measure(per_sample: int, *, infeasible_above: int | None = None):
@@ -116,16 +101,7 @@ def test_search_rejects_a_max_batch_off_the_granularity():
 
 @pytest.mark.slow
 def test_smoke_run_writes_a_consistent_table(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "benchmarks/encoder_table.py", "--smoke", "--out", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    report = json.loads((tmp_path / "encoder_table.json").read_text())
-    table = (tmp_path / "encoder_table.md").read_text()
+    report, table = run_benchmark_smoke("encoder_table", tmp_path)
 
     assert report["settings"]["smoke"] is True
     assert report["machine"]["cpu_count"] >= 1

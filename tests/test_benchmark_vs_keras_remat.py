@@ -2,35 +2,17 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import run_benchmark_smoke
+
 KERAS_MODES = ("full", "activations", "larger_than", "list_of_layers")
 TFRECOMPUTE_ROWS = ("none", "tfrecompute sqrt", "tfrecompute optimal")
 
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
-    out = tmp_path_factory.mktemp("vs_keras_remat")
-    result = subprocess.run(
-        [sys.executable, "benchmarks/vs_keras_remat.py", "--smoke", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert (out / "vs_keras_remat.json").is_file() and (out / "vs_keras_remat.md").is_file()
-    return json.loads((out / "vs_keras_remat.json").read_text()), (
-        out / "vs_keras_remat.md"
-    ).read_text()
+    return run_benchmark_smoke("vs_keras_remat", tmp_path_factory.mktemp("vs_keras_remat"))
 
 
 def _rows(report: dict, model: str) -> dict[str, dict]:
