@@ -69,8 +69,8 @@ CONFIGS: dict[str, dict[str, dict[str, int]]] = {
         "dense_chain": {"layers": 16, "width": 512, "batch": 1024},
         "encoder": {"layers": 4, "sequence": 64, "hidden": 128, "batch": 64},
         # Four convolutions per stage: memory spread over many layers, so that
-        # checkpointing has something to save (with two, the first layer's
-        # backward sets the peak whatever the plan).
+        # checkpointing has something to save (with two, the first stage's
+        # backward set the predicted peak of every plan).
         "cnn": {"blocks": 2, "convs": 4, "size": 32, "filters": 32, "batch": 64},
     },
     "smoke": {
