@@ -4,10 +4,12 @@ For each model, plans `none`, `sqrt` and `optimal` (at a budget halfway
 between the least feasible peak and storing everything), rewrites the model,
 and measures one compiled training step with `tfrecompute.measure_step`.
 Each model is measured in a fresh process, so that no earlier allocation
-shapes the allocator's state. Writes `prediction_accuracy.json` and `.md` to
-`benchmarks/results/` (or `--out`).
+shapes the allocator's state, and `--runs` times (each in its own process),
+since the same plan's measured peak varies from run to run. Writes
+`prediction_accuracy.json` (every run) and `.md` (each plan's errors over the
+runs) to `benchmarks/results/` (or `--out`).
 
-    python benchmarks/prediction_accuracy.py [--models encoder unet] [--batch-size 32]
+    python benchmarks/prediction_accuracy.py [--models encoder unet] [--batch-size 32] [--runs 3]
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import pathlib
 import platform
 import subprocess
 import sys
+from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -85,37 +88,83 @@ def run_in_subprocess(name: str, batch_size: int) -> dict[str, object]:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def _markdown(results: list[dict[str, object]]) -> str:
+def merge_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One model's result from several runs of `measure`: per plan, every run's peak and error.
+
+    Each row keeps the first run's fields and adds `measured_bytes_runs`,
+    `errors` (one per run, in order), `error_min` and `error_max`.
+
+    Raises:
+        ValueError: no runs, or runs of different models or plans.
+    """
+    if not runs:
+        raise ValueError("merge_runs: no runs. Received: runs=[]. Pass one or more results.")
+    first = runs[0]
+    plans = [row["strategy"] for row in first["rows"]]
+    for run in runs[1:]:
+        if run["model"] != first["model"] or [r["strategy"] for r in run["rows"]] != plans:
+            raise ValueError(
+                f"merge_runs: the runs differ in model or plans. Received: "
+                f"{first['model']!r} {plans} and {run['model']!r} "
+                f"{[r['strategy'] for r in run['rows']]}. Merge runs of one model only."
+            )
+    rows = []
+    for i, row in enumerate(first["rows"]):
+        errors = [run["rows"][i]["error"] for run in runs]
+        rows.append(
+            {
+                **row,
+                "measured_bytes_runs": [run["rows"][i]["measured_bytes"] for run in runs],
+                "errors": errors,
+                "error_min": min(errors),
+                "error_max": max(errors),
+            }
+        )
+    return {**first, "runs": len(runs), "rows": rows}
+
+
+def _markdown(results: list[dict[str, Any]]) -> str:
+    runs = max(result["runs"] for result in results)
     lines = [
         "# Predicted against measured step memory",
         "",
-        f"Machine: {platform.platform()}, {os.cpu_count()} CPUs; each model measured in a "
-        "fresh process with `measure_step` (SGD). Error = predicted / measured - 1.",
+        f"Machine: {platform.platform()}, {os.cpu_count()} CPUs; each model measured "
+        f"{runs} times, each time in a fresh process, with `measure_step` (SGD). "
+        "Error = predicted / measured - 1.",
         "",
-        "| model | links | strategy | segments | predicted MiB | measured MiB | error |",
-        "|---|---:|---|---:|---:|---:|---:|",
+        "| model | links | strategy | segments | predicted MiB | measured MiB, each run | "
+        "error, each run | error range |",
+        "|---|---:|---|---:|---:|---:|---:|---:|",
     ]
     for result in results:
-        for row in result["rows"]:  # type: ignore[union-attr]
+        for row in result["rows"]:
+            measured = ", ".join(f"{m / 2**20:.1f}" for m in row["measured_bytes_runs"])
+            errors = ", ".join(f"{e:+.1%}" for e in row["errors"])
             lines.append(
                 f"| {result['model']} | {result['links']} | {row['strategy']} | "
-                f"{row['segments']} | {row['predicted_bytes'] / 2**20:.1f} | "
-                f"{row['measured_bytes'] / 2**20:.1f} | {row['error']:+.1%} |"
+                f"{row['segments']} | {row['predicted_bytes'] / 2**20:.1f} | {measured} | "
+                f"{errors} | {row['error_min']:+.0%} .. {row['error_max']:+.0%} |"
             )
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> list[dict[str, object]]:
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--runs", type=int, default=3, help="fresh processes per model")
     parser.add_argument("--out", type=pathlib.Path, default=_report.RESULTS)
     parser.add_argument("--worker", choices=MODELS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(measure(args.worker, args.batch_size)))
         return []
-    results = [run_in_subprocess(name, args.batch_size) for name in args.models]
+    if args.runs < 1:
+        parser.error(f"--runs must be at least 1. Received: --runs={args.runs}.")
+    results = [
+        merge_runs([run_in_subprocess(name, args.batch_size) for _ in range(args.runs)])
+        for name in args.models
+    ]
     args.out.mkdir(parents=True, exist_ok=True)
     _report.write(args.out, "prediction_accuracy", results, _markdown(results))
     return results

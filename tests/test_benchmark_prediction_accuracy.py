@@ -1,0 +1,56 @@
+"""benchmarks/prediction_accuracy.py: merging runs, and the table of errors over the runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import prediction_accuracy
+
+
+def _run(model: str, measured: list[int], plans=("none", "sqrt")) -> dict:
+    rows = [
+        {
+            "strategy": plan,
+            "segments": i,
+            "predicted_bytes": 100 << 20,
+            "measured_bytes": m,
+            "error": (100 << 20) / m - 1,
+            "budget_bytes": None,
+        }
+        for i, (plan, m) in enumerate(zip(plans, measured))
+    ]
+    return {"model": model, "batch_size": 32, "links": 7, "rows": rows}
+
+
+def test_merge_runs_keeps_every_run_and_the_range():
+    runs = [_run("unet", [100 << 20, 125 << 20]), _run("unet", [80 << 20, 100 << 20])]
+    merged = prediction_accuracy.merge_runs(runs)
+    assert merged["runs"] == 2 and merged["model"] == "unet"
+    none, sqrt = merged["rows"]
+    assert none["measured_bytes_runs"] == [100 << 20, 80 << 20]
+    assert none["errors"] == pytest.approx([0.0, 0.25])
+    assert (none["error_min"], none["error_max"]) == pytest.approx((0.0, 0.25))
+    assert (sqrt["error_min"], sqrt["error_max"]) == pytest.approx((-0.2, 0.0))
+    # The first run's fields are kept, for callers that read one run.
+    assert none["error"] == runs[0]["rows"][0]["error"]
+
+    table = prediction_accuracy._markdown([merged])
+    assert "measured 2 times" in table
+    assert "| unet | 7 | none | 0 | 100.0 | 100.0, 80.0 | +0.0%, +25.0% | +0% .. +25% |" in table
+    assert "| unet | 7 | sqrt | 1 | 100.0 | 125.0, 100.0 | -20.0%, +0.0% | -20% .. +0% |" in table
+
+
+@pytest.mark.parametrize(
+    ("runs", "match"),
+    [
+        ([], "merge_runs: no runs"),
+        ([_run("unet", [1, 2]), _run("encoder", [1, 2])], "the runs differ in model or plans"),
+        (
+            [_run("unet", [1, 2]), _run("unet", [1, 2], plans=("none", "optimal"))],
+            "the runs differ in model or plans",
+        ),
+    ],
+)
+def test_merge_runs_rejects_mismatched_runs(runs, match):
+    with pytest.raises(ValueError, match=match):
+        prediction_accuracy.merge_runs(runs)
