@@ -32,14 +32,18 @@ if importlib.util.find_spec("tensorflow") is not None:
     from tfrecompute.models import plan, profile, recompute
     from tfrecompute.precision import PrecisionFinding, check_precision
     from tfrecompute.profiling import StepMeasurement, measure_step
+    from tfrecompute.tracing import Allocation, StepTrace, trace_step
 
     __all__ += [
+        "Allocation",
         "PrecisionFinding",
         "RecomputeBlock",
         "StepMeasurement",
+        "StepTrace",
         "check_precision",
         "measure_step",
         "plan",
         "profile",
         "recompute",
+        "trace_step",
     ]

@@ -11,7 +11,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-__all__ = ["StepMeasurement", "default_device", "measure_step"]
+__all__ = ["StepMeasurement", "default_device", "measure_step", "prepare_step"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +36,61 @@ class StepMeasurement:
 def default_device() -> str:
     """`"GPU:0"` when TensorFlow sees a GPU, else `"CPU:0"`."""
     return "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
+
+
+def _check_count(api: str, name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"{api}: `{name}` must be a positive integer. Received: "
+            f"{name}={value!r} (of type {type(value).__name__}). Pass {name}=1 or more."
+        )
+
+
+def prepare_step(
+    api: str, model: Any, x: Any, y: Any, *, warmup: int, device: str | None
+) -> tuple[Any, Any, str]:
+    """Checks a step's arguments, converts the batch and runs the warm-up steps.
+
+    Returns:
+        `(x, y, device)`: the batch as tensors on the device, and the device name.
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            f"{api}: `model` must be a Keras model. Received: "
+            f"model={model!r} (of type {type(model).__name__}). Pass a keras.Model."
+        )
+    if not getattr(model, "compiled", False):
+        raise ValueError(
+            f"{api}: the model is not compiled. Received: "
+            f"model={model.name!r} (of type {type(model).__name__}). Call "
+            "model.compile(optimizer=..., loss=...) first, e.g. "
+            'model.compile(optimizer="sgd", loss="mse").'
+        )
+    _check_count(api, "warmup", warmup)
+    if x is None:
+        raise ValueError(
+            f"{api}: `x` is missing. Received: x=None (of type NoneType). Pass one "
+            "batch of inputs, e.g. x[:batch_size]."
+        )
+    if device is not None and not isinstance(device, str):
+        raise TypeError(
+            f"{api}: `device` must be a device name. Received: device={device!r} "
+            f'(of type {type(device).__name__}). Pass e.g. device="GPU:0" or "CPU:0".'
+        )
+    device = device or default_device()
+    known = [d.name.split("device:")[-1] for d in tf.config.list_logical_devices()]
+    if device.replace("/device:", "").upper() not in [k.upper() for k in known]:
+        raise ValueError(
+            f"{api}: no {device} device is available. Received: device={device!r} "
+            f"(of type str). Use one of {known}."
+        )
+    with tf.device(device):
+        x = keras.tree.map_structure(tf.convert_to_tensor, x)
+        if y is not None:
+            y = keras.tree.map_structure(tf.convert_to_tensor, y)
+    for _ in range(warmup):
+        model.train_on_batch(x, y)
+    return x, y, device
 
 
 def measure_step(
@@ -82,48 +137,8 @@ def measure_step(
     print(f"{m.peak_bytes / 2**20:.1f} MiB in {m.seconds * 1e3:.1f} ms")
     ```
     """
-    if not isinstance(model, keras.Model):
-        raise TypeError(
-            "measure_step: `model` must be a Keras model. Received: "
-            f"model={model!r} (of type {type(model).__name__}). Pass a keras.Model."
-        )
-    if not getattr(model, "compiled", False):
-        raise ValueError(
-            "measure_step: the model is not compiled. Received: "
-            f"model={model.name!r} (of type {type(model).__name__}). Call "
-            "model.compile(optimizer=..., loss=...) first, e.g. "
-            'model.compile(optimizer="sgd", loss="mse").'
-        )
-    for name, value in (("steps", steps), ("warmup", warmup)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(
-                f"measure_step: `{name}` must be a positive integer. Received: "
-                f"{name}={value!r} (of type {type(value).__name__}). Pass {name}=1 or more."
-            )
-    if x is None:
-        raise ValueError(
-            "measure_step: `x` is missing. Received: x=None (of type NoneType). Pass one "
-            "batch of inputs, e.g. x[:batch_size]."
-        )
-    if device is not None and not isinstance(device, str):
-        raise TypeError(
-            f"measure_step: `device` must be a device name. Received: device={device!r} "
-            f'(of type {type(device).__name__}). Pass e.g. device="GPU:0" or "CPU:0".'
-        )
-    device = device or default_device()
-    known = [d.name.split("device:")[-1] for d in tf.config.list_logical_devices()]
-    if device.replace("/device:", "").upper() not in [k.upper() for k in known]:
-        raise ValueError(
-            f"measure_step: no {device} device is available. Received: device={device!r} "
-            f"(of type str). Use one of {known}."
-        )
-
-    with tf.device(device):
-        x = keras.tree.map_structure(tf.convert_to_tensor, x)
-        if y is not None:
-            y = keras.tree.map_structure(tf.convert_to_tensor, y)
-    for _ in range(warmup):
-        model.train_on_batch(x, y)
+    _check_count("measure_step", "steps", steps)
+    x, y, device = prepare_step("measure_step", model, x, y, warmup=warmup, device=device)
 
     peaks, times = [], []
     for _ in range(steps):

@@ -1,0 +1,146 @@
+"""trace_step(): the allocator's events of one step, replayed up to its peak."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfrecompute
+from tfrecompute.tracing import _allocator_matches
+
+WIDTH, BATCH = 1024, 512  # each activation is 2 MiB: above the CPU allocator's 256 KiB floor
+
+
+def _mlp(depth=4):
+    layers = [keras.layers.Dense(WIDTH, activation="tanh") for _ in range(depth)]
+    model = keras.Sequential([keras.Input((256,)), *layers, keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+def _batch():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(BATCH, 256)).astype("float32"), rng.normal(size=(BATCH, 1)).astype(
+        "float32"
+    )
+
+
+def test_trace_finds_the_activations_live_at_the_peak():
+    model = _mlp()
+    trace = tfrecompute.trace_step(model, *_batch())
+    assert trace.device == "CPU:0"
+    assert 0 < trace.requested_peak_bytes <= trace.peak_bytes
+    assert trace.allocator_overhead_bytes == trace.peak_bytes - trace.requested_peak_bytes
+    for allocation in trace.live_at_peak:
+        assert 0 < allocation.requested_bytes <= allocation.allocated_bytes
+    sizes = [a.allocated_bytes for a in trace.live_at_peak]
+    assert sizes == sorted(sizes, reverse=True)
+    # The peak is in the backward pass: the tanh outputs its gradients read
+    # are live, each exactly one activation's bytes.
+    tanh = [a for a in trace.live_at_peak if a.op.endswith("/Tanh")]
+    assert tanh, trace.summary(20)
+    assert {a.shape for a in tanh} == {f"[{BATCH},{WIDTH}]"}
+    assert {a.requested_bytes for a in tanh} == {BATCH * WIDTH * 4}
+    # At the start of the backward pass, all four (or, once the last layer's
+    # backward has run, three) are live.
+    assert len(tanh) >= 3, trace.summary(20)
+
+
+def test_trace_sees_recompute_keep_fewer_activations():
+    x, y = _batch()
+    plain = _mlp(depth=8)
+    blocked = tfrecompute.recompute(plain, "sqrt")
+    blocked.compile(optimizer="sgd", loss="mse")
+
+    def activations(model):
+        trace = tfrecompute.trace_step(model, x, y)
+        shape = f"[{BATCH},{WIDTH}]"
+        return sum(a.requested_bytes for a in trace.live_at_peak if a.shape == shape), trace
+
+    stored, plain_trace = activations(plain)
+    kept, blocked_trace = activations(blocked)
+    assert kept < stored, (plain_trace.summary(20), blocked_trace.summary(20))
+    assert blocked_trace.requested_peak_bytes < plain_trace.requested_peak_bytes
+
+
+def test_summary_names_the_peak_and_its_largest_buffers():
+    trace = tfrecompute.trace_step(_mlp(), *_batch())
+    text = trace.summary(top=3)
+    lines = text.splitlines()
+    assert lines[0].startswith(f"peak {trace.peak_bytes / 2**20:.1f} MiB on CPU:0")
+    assert len(lines) == 1 + min(3, len(trace.live_at_peak))
+    assert trace.live_at_peak[0].op in lines[1]
+
+
+@pytest.mark.parametrize(
+    ("allocator", "device", "expected"),
+    [
+        ("mklcpu", "CPU:0", True),
+        ("cpu", "/device:CPU:0", True),
+        ("GPU_0_bfc", "CPU:0", False),
+        ("GPU_0_bfc", "GPU:0", True),
+        ("GPU_1_bfc", "GPU:0", False),
+        ("GPU_1_bfc", "/device:GPU:1", True),
+    ],
+)
+def test_allocator_events_are_those_of_the_device(allocator, device, expected):
+    assert _allocator_matches(allocator, device) is expected
+
+
+def test_trace_refuses_while_another_profiler_runs(tmp_path):
+    model = _mlp(depth=1)
+    tf.profiler.experimental.start(str(tmp_path))
+    try:
+        with pytest.raises(RuntimeError, match=r"trace_step: another TensorFlow profiler"):
+            tfrecompute.trace_step(model, *_batch())
+    finally:
+        tf.profiler.experimental.stop()
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (
+            lambda: tfrecompute.trace_step(keras.layers.Dense(1), np.ones((1, 2))),
+            TypeError,
+            r"trace_step: `model` must be a Keras model\..*\(of type Dense\)",
+        ),
+        (
+            lambda: tfrecompute.trace_step(
+                keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]), np.ones((1, 2))
+            ),
+            ValueError,
+            r"trace_step: the model is not compiled\..*model\.compile",
+        ),
+        (
+            lambda: tfrecompute.trace_step(_mlp(depth=1), None),
+            ValueError,
+            r"trace_step: `x` is missing",
+        ),
+        (
+            lambda: tfrecompute.trace_step(_mlp(depth=1), *_batch(), warmup=0),
+            ValueError,
+            r"trace_step: `warmup` must be a positive integer\. Received: warmup=0",
+        ),
+        (
+            lambda: tfrecompute.trace_step(_mlp(depth=1), *_batch(), device="TPU:0"),
+            ValueError,
+            r"trace_step: no TPU:0 device is available",
+        ),
+    ],
+    ids=["not-a-model", "not-compiled", "no-x", "warmup", "device"],
+)
+def test_trace_step_errors(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+@pytest.mark.skipif(not tf.config.list_logical_devices("GPU"), reason="needs a GPU")
+def test_trace_on_gpu():
+    with tf.device("GPU:0"):
+        model = _mlp()
+    trace = tfrecompute.trace_step(model, *_batch(), device="GPU:0")
+    assert trace.device == "GPU:0"
+    assert 0 < trace.requested_peak_bytes <= trace.peak_bytes
