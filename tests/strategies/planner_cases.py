@@ -86,8 +86,10 @@ def random_chain(rng: random.Random, n: int, *, scale: int = 1) -> Chain:
     outputs = [rng.choice([0, 1, 2, 3, 5, 8, 13]) * scale for _ in range(n)]
     saved = [o + rng.choice([0, 0, 1, 4, 9]) * scale for o in outputs]
     workspace = [rng.choice([0, 0, 2, 6]) * scale for _ in range(n)]
+    first = rng.choice([0, 1, 4, 10]) * scale
+    activations = [first, *outputs[:-1]]
     return Chain(
-        rng.choice([0, 1, 4, 10]) * scale,
+        first,
         outputs,
         saved,
         [rng.choice(COSTS) for _ in range(n)],
@@ -96,6 +98,7 @@ def random_chain(rng: random.Random, n: int, *, scale: int = 1) -> Chain:
         carries=random_carries(rng, n, [s * scale for s in (0, 1, 3, 8, 20, 40)]),
         grad_bytes=[rng.choice([0, 0, 1, 3]) * scale for _ in range(n)],
         carry_grads=random_carries(rng, n, [s * scale for s in (0, 2, 5, 12)]),
+        input_grad_bytes=[rng.choice([a, a, a // 2, 0]) for a in activations],
     )
 
 
@@ -145,8 +148,13 @@ def chains(draw: hs.DrawFn, *, max_layers: int = 8, min_layers: int = 1) -> Chai
             size = draw(hs.sampled_from([0, 2, 5, 12, 40, 100]))
             carries.append((producer, consumer, size))
             carry_grads.append((producer, consumer, draw(hs.sampled_from([0, 2, 12]))))
+    first = draw(hs.integers(0, 20))
+    # The input gradient of some layers is part of their input (the rest is a
+    # carry's gradient) or nothing (integer inputs).
+    shares = draw(hs.lists(hs.sampled_from([1.0, 1.0, 0.5, 0.0]), min_size=n, max_size=n))
+    input_grads = [int(a * share) for a, share in zip([first, *outputs[:-1]], shares)]
     return Chain(
-        draw(hs.integers(0, 20)),
+        first,
         outputs,
         [o + x for o, x in zip(outputs, extra)],
         costs,
@@ -155,4 +163,5 @@ def chains(draw: hs.DrawFn, *, max_layers: int = 8, min_layers: int = 1) -> Chai
         carries=carries,
         grad_bytes=grads,
         carry_grads=carry_grads,
+        input_grad_bytes=input_grads,
     )

@@ -294,3 +294,26 @@ def test_carry_grads_are_sorted_and_compared() -> None:
     # Gradients of (0, 2) at backward moments 1..2, of (1, 4) (a model output) at 2..3;
     # while a segment ending at e recomputes, those with producer + 1 < e <= consumer.
     assert chain.live_gradients() == ((0, 5, 8, 3), (0, 0, 5, 3, 3))
+
+
+def test_input_grad_bytes_default_to_the_inputs_and_are_compared() -> None:
+    chain = Chain(3, [4, 5, 6], [4, 5, 6], [1.0] * 3)
+    assert chain.input_grad_bytes == (3, 4, 5)
+    partial = Chain(3, [4, 5, 6], [4, 5, 6], [1.0] * 3, input_grad_bytes=[0, 4, 2])
+    assert partial.input_grad_bytes == (0, 4, 2)
+    assert partial != chain
+
+
+@pytest.mark.parametrize(
+    ("input_grad_bytes", "error", "match"),
+    [
+        ([3, 5, 5], ValueError, r"^Chain: input_grad_bytes\[1\] is larger than x_1, 4 bytes"),
+        ([3, 4], ValueError, r"^Chain: input_grad_bytes has 2 entries but the chain has 3"),
+        ([3, -1, 0], ValueError, r"^Chain: input_grad_bytes\[1\] must not be negative"),
+    ],
+)
+def test_input_grad_bytes_errors(
+    input_grad_bytes: object, error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        Chain(3, [4, 5, 6], [4, 5, 6], [1.0] * 3, input_grad_bytes=input_grad_bytes)  # type: ignore[arg-type]

@@ -141,6 +141,21 @@ def test_carry_gradient_lives_from_consumer_to_producer_by_hand() -> None:
     assert simulate(chain, [(0, 2)]) == Estimate(36, 2.0)
 
 
+def test_input_gradient_counts_only_what_the_layer_reads() -> None:
+    # Chain D where layer 1 reads none of x_1 (it reads a carry instead, whose
+    # gradient the carry gradients count): its backward moments lose a_1 = 4.
+    full = Chain(2, [4, 4, 4], [8, 8, 4], [1.0] * 3, grad_bytes=[1, 2, 3])
+    skip = Chain(
+        2, [4, 4, 4], [8, 8, 4], [1.0] * 3, grad_bytes=[1, 2, 3], input_grad_bytes=[2, 0, 4]
+    )
+    moments = [e.live_bytes for e in timeline(full, [])]
+    assert [e.live_bytes for e in timeline(skip, [])] == [*moments[:4], moments[4] - 4, moments[5]]
+    # In a segment, the backward moment of layer 1 loses it too; recompute moments do not.
+    recomputed = [e.live_bytes for e in timeline(full, [(0, 2)])]
+    changed = [e.live_bytes for e in timeline(skip, [(0, 2)])]
+    assert [b - a for a, b in zip(recomputed, changed)] == [0, 0, 0, 0, 0, 0, -4, 0]
+
+
 def test_a_large_carry_sets_the_peak_in_a_forward_moment() -> None:
     # Chain D with a 40-byte carry (larger than anything its producer saves).
     chain = Chain(2, [4, 4, 4], [8, 8, 4], [1.0] * 3, carries=[(0, 2, 40)], grad_bytes=[1, 2, 3])

@@ -13,15 +13,16 @@ NOTE [ The element formula ]
     is held by the segment that makes it, or sits in a stored producer's
     `saved_bytes`), which is what makes a DP over positions exact:
 
-        stored i:   L = saved_i + a_{i+1} + a_i + ws_i + G_i
+        stored i:   L = saved_i + a_{i+1} + g_i + ws_i + G_i
         [s, e):     L = max_{s<=j<e} max(a_e + R_e + S(s..j) + ws_j,           (recompute)
-                                         S(s..j) + a_{j+1} + a_j + ws_j + G_j, (backward)
+                                         S(s..j) + a_{j+1} + g_j + ws_j + G_j, (backward)
                                          C(s, j) + [j>s] a_j + a_{j+1} + ws_j) (forward)
 
-    with `S(s..j) = saved_s + ... + saved_j` and the live gradients `G_k`, `R_e`
-    of `Chain.live_gradients`. A stored layer's forward moment `saved_i + ws_i`
-    is below its backward one. `G` and `R` only add to backward-phase moments,
-    so they never break a domination. A segment's forward moment of
+    with `S(s..j) = saved_s + ... + saved_j`, `g_j = input_grad_bytes[j]` and
+    the live gradients `G_k`, `R_e` of `Chain.live_gradients`. A stored
+    layer's forward moment `saved_i + ws_i` is below its backward one. `G`
+    and `R` only add to backward-phase moments, so they never break a
+    domination. A segment's forward moment of
     layer `j` holds `C(s, j)`, the carries made by layers `s..j-2`; when every
     layer's outgoing carries fit in its `saved_bytes` (`Problem.forward_dominated`,
     true for realistic chains where a carried tensor is part of its producer's
@@ -179,10 +180,11 @@ class Problem:
         sv = arr(saved)
         wk = arr(ws)
         G = arr([*backward_grads, 0])
+        gi = arr(list(chain.input_grad_bytes))
         Ss = np.concatenate([arr([0]), np.cumsum(sv)])
         g1 = Ss[1:] + wk
-        g2 = Ss[1:] + a[1:] + a[:-1] + wk + G[:-1]
-        Lst = sv + a[1:] + a[:-1] + wk + G[:-1]
+        g2 = Ss[1:] + a[1:] + gi + wk + G[:-1]
+        Lst = sv + a[1:] + gi + wk + G[:-1]
         Cs = np.concatenate([arr([0]), np.cumsum(arr(weights))]) * fold
         big_cost = 2 * fold * (sum(weights) + 1) + 4
         # carries[carry_first[i]:] are those made by layers >= i (sorted by producer).

@@ -58,6 +58,12 @@ class Chain:
             `producer` uses it (default none). Usually one per float carry. At
             the producer's own backward it is part of the gradient of
             `x_{producer+1}`, as the carry is part of that output.
+        input_grad_bytes: bytes of the gradient layer `i`'s backward pass
+            makes for its input `x_i` (default `activation_bytes(i)`, all of
+            it). Less when layer `i` reads only part of `x_i` (a tensor of
+            `x_i` that only a later layer reads is a carry: its gradient is in
+            `carry_grads`), or when `x_i` is not differentiable (integer token
+            ids); at most `activation_bytes(i)`.
 
     Example:
         >>> chain = Chain(1024, [2048, 2048, 512], [4096, 2048, 512], [1.0, 2.0, 0.5])
@@ -81,6 +87,7 @@ class Chain:
     carries: tuple[tuple[int, int, int], ...]
     grad_bytes: tuple[int, ...]
     carry_grads: tuple[tuple[int, int, int], ...]
+    input_grad_bytes: tuple[int, ...]
 
     def __init__(
         self,
@@ -96,6 +103,7 @@ class Chain:
         carries: Iterable[Sequence[int]] = (),
         grad_bytes: Iterable[int] | None = None,
         carry_grads: Iterable[Sequence[int]] = (),
+        input_grad_bytes: Iterable[int] | None = None,
     ) -> None:
         """Validates and stores the costs; see the class docstring for the fields.
 
@@ -103,8 +111,9 @@ class Chain:
             TypeError: a value has the wrong type (bools are never numbers here).
             ValueError: lengths disagree, the chain is empty, a value is negative,
                 NaN or infinite, a byte count is fractional, `saved_bytes[i] <
-                output_bytes[i]`, names repeat, or a carry's layers are out of
-                range or skip no layer.
+                output_bytes[i]`, names repeat, a carry's layers are out of
+                range or skip no layer, or `input_grad_bytes[i]` exceeds the
+                size of `x_i`.
         """
         inputs = as_byte_count(_API, "input_bytes", input_bytes)
         overhead = as_byte_count(_API, "overhead_bytes", overhead_bytes)
@@ -144,6 +153,21 @@ class Chain:
         grads = (0,) * n if grad_bytes is None else _byte_tuple("grad_bytes", grad_bytes, n=n)
         skips = _carries(carries, n=n)
         skip_grads = _carries(carry_grads, n=n, name="carry_grads")
+        sizes = (inputs, *outputs[:-1])
+        if input_grad_bytes is None:
+            input_grads = sizes
+        else:
+            input_grads = _byte_tuple("input_grad_bytes", input_grad_bytes, n=n)
+            for i, (grad, size) in enumerate(zip(input_grads, sizes)):
+                if grad > size:
+                    fail(
+                        _API,
+                        f"input_grad_bytes[{i}] is larger than x_{i}, {size} bytes; a "
+                        "layer's input gradient is at most the size of its input",
+                        f"input_grad_bytes[{i}]",
+                        grad,
+                        "Set input_grad_bytes[i] <= activation_bytes(i) for every layer",
+                    )
         object.__setattr__(self, "input_bytes", inputs)
         object.__setattr__(self, "output_bytes", outputs)
         object.__setattr__(self, "saved_bytes", saved)
@@ -155,6 +179,7 @@ class Chain:
         object.__setattr__(self, "carries", skips)
         object.__setattr__(self, "grad_bytes", grads)
         object.__setattr__(self, "carry_grads", skip_grads)
+        object.__setattr__(self, "input_grad_bytes", input_grads)
 
     @classmethod
     def homogeneous(cls, n: int, *, activation_bytes: int, cost: float = 1.0) -> Chain:

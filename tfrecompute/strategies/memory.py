@@ -10,8 +10,10 @@ The model
 A plan is a sorted list of disjoint half-open *segments* `[s, e)` of recomputed
 layers; every other layer is *stored*. An *element* is a stored layer or a
 segment. Write `a_i` for the size of `x_i` (`a_0 = input_bytes`,
-`a_{i+1} = output_bytes[i]`), `saved_i`, `ws_i` for `saved_bytes[i]` and
-`workspace_bytes[i]`, and `S(s..j) = saved_s + ... + saved_j`.
+`a_{i+1} = output_bytes[i]`), `saved_i`, `ws_i`, `g_i` for `saved_bytes[i]`,
+`workspace_bytes[i]` and `input_grad_bytes[i]` (the gradient layer `i` makes
+for `x_i`; `a_i` unless it reads only part of `x_i`), and
+`S(s..j) = saved_s + ... + saved_j`.
 `overhead_bytes` is added to every moment below. `H` is the memory held
 between layers; it starts at `a_0`.
 
@@ -46,7 +48,7 @@ Forward, elements in order (no gradients are live yet):
 Backward, elements in reverse order; the gradient of the element's output,
 `a_{last + 1}` bytes, is live:
 
-* stored layer `i`: live = `H + a_{i+1} + a_i + ws_i + G_i` (gradients of the
+* stored layer `i`: live = `H + a_{i+1} + g_i + ws_i + G_i` (gradients of the
   output and of the input, and the parameter gradients of layers `i..n-1`);
   then `H -= saved_i`.
 * segment `[s, e)`: first `H -= a_e + C(s, e)` (the held outputs are dropped; the
@@ -54,12 +56,12 @@ Backward, elements in reverse order; the gradient of the element's output,
   forward again, each now stored, before any of them has produced gradients:
   while layer `j` runs, live = `H + a_e + S(s..j) + ws_j + R_e`. Then their
   backward, layer `j = e-1` down to `s`, as stored layers: live =
-  `H + S(s..j) + a_{j+1} + a_j + ws_j + G_j`, and `saved_j` is released after it.
+  `H + S(s..j) + a_{j+1} + g_j + ws_j + G_j`, and `saved_j` is released after it.
 
 The step ends with the optimizer update, when `H = a_0` and all parameter
 gradients are live: `a_0 + R_0`. That moment is part of the model but is
 never above the backward moment of layer 0 (the same plus `saved_0`, the
-gradients of `x_0` and `x_1`, and `ws_0`), so it is folded into it: the timeline
+gradients of `x_1` and `x_0`, and `ws_0`), so it is folded into it: the timeline
 ends with the backward of layer 0.
 
 The peak is the largest live value over every moment, forward and backward;
@@ -198,6 +200,7 @@ def _events(
     work = chain.workspace_bytes
     base = chain.overhead_bytes
     act = (chain.input_bytes, *out)  # act[i] is the size of x_i
+    grad_in = chain.input_grad_bytes  # grad_in[i]: the gradient layer i makes for x_i
     grads, regrads = chain.live_gradients()  # G_k, R_e
     elements = _elements(chain.n, segments)
     carried: dict[int, list[int]] = {}  # segment start -> [C(s, s), ..., C(s, e)]
@@ -217,7 +220,7 @@ def _events(
 
     for s, e, recomputed in reversed(elements):
         if not recomputed:
-            yield ("backward", s, base + held + act[s + 1] + act[s] + work[s] + grads[s])
+            yield ("backward", s, base + held + act[s + 1] + grad_in[s] + work[s] + grads[s])
             held -= saved[s]
             continue
         held -= act[e] + carried[s][e - s]
@@ -226,7 +229,7 @@ def _events(
             again += saved[j]
             yield ("recompute", j, base + held + act[e] + again + work[j] + regrads[e])
         for j in range(e - 1, s - 1, -1):
-            live = held + again + act[j + 1] + act[j] + work[j] + grads[j]
+            live = held + again + act[j + 1] + grad_in[j] + work[j] + grads[j]
             yield ("backward", j, base + live)
             again -= saved[j]
 
