@@ -240,21 +240,24 @@ def test_parameter_gradients_follow_the_optimizer(clipnorm):
 
     Without global clipping each variable is updated as soon as its gradient
     exists, so few gradients are alive at once; with it, all of them are
-    kept until the step's end. The predicted peak follows both.
+    kept until the step's end. The predicted peak follows both. Compared with
+    the requested peak of traced steps (`trace_step`), which leaves out the
+    allocator's rounding of chunks.
     """
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((2048,)), *[keras.layers.Dense(2048) for _ in range(8)]])
     model.compile(optimizer=keras.optimizers.SGD(global_clipnorm=clipnorm), loss="mse")
     x = np.random.default_rng(0).random((64, 2048), dtype=np.float32)
-    measured = tfrecompute.measure_step(model, x, x).peak_bytes
+    measured = max(tfrecompute.trace_step(model, x, x).requested_peak_bytes for _ in range(2))
     predicted = tfrecompute.plan(model, "none", batch_size=64).peak_bytes
     weights = 8 * 2049 * 2048 * 4
-    error = predicted / measured - 1
     if clipnorm is None:
         assert measured < 0.6 * weights
-        # How many gradients are in flight varies between runs (measured 50 to
-        # 67 MiB); the prediction assumes three links' worth, the high end.
-        assert -0.15 <= error <= 0.4, (predicted, measured)
+        assert predicted < 0.6 * weights
+        # How many gradients are in flight depends on the order the two
+        # inter-op threads run ops in (measured 36 to 67 MiB over steps and
+        # runs); the prediction assumes three links' worth, the high end.
+        assert predicted >= 0.85 * measured, (predicted, measured)
     else:
         assert measured > weights
-        assert abs(error) <= 0.15, (predicted, measured)
+        assert abs(predicted / measured - 1) <= 0.15, (predicted, measured)

@@ -130,12 +130,13 @@ def _profile_graph(
     # exists, unless the optimizer needs all gradients first (global norm
     # clipping, loss scaling, gradient accumulation). Measured with 8
     # Dense(2048) at batch 64 (128 MiB of weights, test_models.py
-    # test_parameter_gradients_follow_the_optimizer): 50 to 67 MiB per SGD step
-    # over runs, and 144.5 MiB with global_clipnorm. So by default a link's
-    # weight gradients are transient, counted in the workspace of its backward
-    # together with the two links backprop reaches just before it (up to three
-    # links' worth were in flight); with such an optimizer they stay live until
-    # the step's end (`Chain.grad_bytes`).
+    # test_parameter_gradients_follow_the_optimizer): 36 to 67 MiB per SGD step
+    # over steps and runs (requested bytes, `trace_step`), and 144 MiB with
+    # global_clipnorm. So by default a link's weight gradients are transient,
+    # counted in the workspace of its backward together with the two links
+    # backprop reaches just before it (up to three links' worth were in
+    # flight); with such an optimizer they stay live until the step's end
+    # (`Chain.grad_bytes`).
     grads = [0] * n
     last_call: dict[int, tuple[int, Any]] = {}
     for index, call in enumerate(graph.calls):
@@ -145,9 +146,24 @@ def _profile_graph(
         grads[link_of[index]] += tensor_bytes(variable.shape, variable.dtype, 1)
     keep_all = _optimizer_keeps_all_gradients(graph.model)
 
+    # NOTE [ Which gradients exist ]
+    # A training step differentiates the loss with respect to the trainable
+    # variables only, so a tensor has a gradient only if it is a float that
+    # some trainable variable flows into: not the model's inputs, not a
+    # padding or rescaling of them, not integer ids.
+    differentiable: set[int] = set()
+    for call, args in zip(graph.calls, call_args):
+        if call.layer.trainable_variables or any(id(t) in differentiable for t in args):
+            differentiable.update(
+                id(t) for t in call.outputs if keras.backend.is_float_dtype(t.dtype)
+            )
+
+    def gradients(tensors: Sequence[keras.KerasTensor]) -> int:
+        return sum(size(t) for t in tensors if id(t) in differentiable)
+
     # A tensor used beyond the next link (a residual shortcut, a long skip) is
     # an extra output of any segment that makes it but ends before its use.
-    # Its gradient (for a float tensor) is made by the backward of its last
+    # Its gradient (when it has one) is made by the backward of its last
     # consumer and lives until the backward of its producer.
     carries, carry_grads = [], []
     carried_in: set[tuple[int, int]] = set()  # (tensor id, consuming link) of carries
@@ -159,17 +175,24 @@ def _profile_graph(
         if last >= producer + 2:
             carries.append((producer, last, size(info.tensor)))
             carried_in.update((key, link_of[c]) for c in info.consumers)
-            if keras.backend.is_float_dtype(info.tensor.dtype):
+            if key in differentiable:
                 carry_grads.append((producer, last, size(info.tensor)))
-
-    def gradients(tensors: Sequence[keras.KerasTensor]) -> int:
-        return sum(size(t) for t in tensors if keras.backend.is_float_dtype(t.dtype))
 
     names = graph.names
     input_bytes = sum(size(t) for t in graph.model.inputs)
     output_bytes, saved_bytes, workspace_bytes, costs, link_names = [], [], [], [], []
+    input_grads: list[int] = []
+    previous_out: list[int] = []  # ids of x_k: what the link before hands on
     for first, stop in groups:
-        _, live_out = graph.segment_io(first, stop)
+        live_in, live_out = graph.segment_io(first, stop)
+        # NOTE [ A link that skips its chain input ]
+        # The gradient a link makes for x_k covers only the tensors of x_k it
+        # reads. ResNet's projection shortcut reads the block's input, not the
+        # main path's last output, which only the Add after it reads: that
+        # tensor's gradient is then a carry gradient, not this link's.
+        reads = set(live_in) & set(previous_out)
+        input_grads.append(gradients([graph.tensors[key].tensor for key in reads]))
+        previous_out = list(live_out)
         out = sum(size(graph.tensors[key].tensor) for key in live_out)
         saved = sum(memories[i].kept_bytes for i in range(first, stop))
         saved += sum(
@@ -186,7 +209,7 @@ def _profile_graph(
         # after it: the gradient of the up-sampled tensor is 4x the link's
         # input). The excess over the link's gradients counts as workspace.
         # Carried inputs are left out: their gradients are `carry_grads`.
-        link_in = output_bytes[-2] if link else input_bytes
+        link_in = input_grads[-1]
         workspace = 0
         for i in range(first, stop):
             inputs = [t for t in call_args[i] if (id(t), link) not in carried_in]
@@ -213,6 +236,7 @@ def _profile_graph(
         grad_bytes=grads if keep_all else None,
         carries=carries,
         carry_grads=carry_grads,
+        input_grad_bytes=input_grads,
         names=link_names,
     )
     return _ModelChain(graph, chain, tuple(groups))
