@@ -2,10 +2,13 @@
 
 For each model, plans `none`, `sqrt` and `optimal` (at a budget halfway
 between the least feasible peak and storing everything), rewrites the model,
-and measures one compiled training step with `tfrecompute.measure_step`.
-Each model is measured in a fresh process, so that no earlier allocation
-shapes the allocator's state, and `--runs` times (each in its own process),
-since the same plan's measured peak varies from run to run. Writes
+and measures compiled training steps with `tfrecompute.measure_step` (the
+allocator's peak) and `tfrecompute.trace_step` (the bytes the live tensors
+requested at the peak, without the allocator's rounding of chunks: see
+NOTE [ Requested and allocated bytes ] in tfrecompute/tracing.py). Each model
+is measured in a fresh process, so that no earlier allocation shapes the
+allocator's state, and `--runs` times (each in its own process), since the
+same plan's measured peak varies from run to run. Writes
 `prediction_accuracy.json` (every run) and `.md` (each plan's errors over the
 runs) to `benchmarks/results/` (or `--out`).
 
@@ -30,6 +33,7 @@ if str(ROOT) not in sys.path:
 from benchmarks import _report  # noqa: E402
 
 MODELS = ("encoder", "mobilenet_v2", "resnet50", "unet")
+TRACES = 3  # traced steps per plan; the requested peak is the largest of them
 
 
 def _model(name: str):  # noqa: ANN202 (keras is imported in the worker only)
@@ -66,6 +70,8 @@ def measure(name: str, batch_size: int) -> dict[str, object]:
         rewritten = tfrecompute.recompute(model, plan) if plan.segments else model
         rewritten.compile(optimizer="sgd", loss="mse")
         step = tfrecompute.measure_step(rewritten, x, y)
+        traces = [tfrecompute.trace_step(rewritten, x, y, warmup=1) for _ in range(TRACES)]
+        requested = max(t.requested_peak_bytes for t in traces)
         rows.append(
             {
                 "strategy": strategy,
@@ -73,6 +79,10 @@ def measure(name: str, batch_size: int) -> dict[str, object]:
                 "predicted_bytes": plan.peak_bytes,
                 "measured_bytes": step.peak_bytes,
                 "error": plan.peak_bytes / step.peak_bytes - 1,
+                "requested_bytes": requested,
+                "requested_error": plan.peak_bytes / requested - 1,
+                "allocator_overhead": [t.peak_bytes / t.requested_peak_bytes - 1 for t in traces],
+                "trace_summary": max(traces, key=lambda t: t.peak_bytes).summary(top=5),
                 "budget_bytes": budget if strategy == "optimal" else None,
             }
         )
@@ -91,8 +101,12 @@ def run_in_subprocess(name: str, batch_size: int) -> dict[str, object]:
 def merge_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One model's result from several runs of `measure`: per plan, every run's peak and error.
 
-    Each row keeps the first run's fields and adds `measured_bytes_runs`,
-    `errors` (one per run, in order), `error_min` and `error_max`.
+    Each row keeps the first run's fields and adds, over the runs in order,
+    `measured_bytes_runs`, `errors`, `error_min` and `error_max` (against the
+    allocator's peak), `requested_bytes_runs`, `requested_errors`,
+    `requested_error_min` and `requested_error_max` (against the bytes the
+    live tensors requested), and `overhead_min` and `overhead_max` (the
+    allocator's rounding at the traced peaks, as a fraction of the requests).
 
     Raises:
         ValueError: no runs, or runs of different models or plans.
@@ -111,6 +125,8 @@ def merge_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     rows = []
     for i, row in enumerate(first["rows"]):
         errors = [run["rows"][i]["error"] for run in runs]
+        requested_errors = [run["rows"][i]["requested_error"] for run in runs]
+        overheads = [o for run in runs for o in run["rows"][i]["allocator_overhead"]]
         rows.append(
             {
                 **row,
@@ -118,6 +134,12 @@ def merge_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 "errors": errors,
                 "error_min": min(errors),
                 "error_max": max(errors),
+                "requested_bytes_runs": [run["rows"][i]["requested_bytes"] for run in runs],
+                "requested_errors": requested_errors,
+                "requested_error_min": min(requested_errors),
+                "requested_error_max": max(requested_errors),
+                "overhead_min": min(overheads),
+                "overhead_max": max(overheads),
             }
         )
     return {**first, "runs": len(runs), "rows": rows}
@@ -129,22 +151,45 @@ def _markdown(results: list[dict[str, Any]]) -> str:
         "# Predicted against measured step memory",
         "",
         f"Machine: {platform.platform()}, {os.cpu_count()} CPUs; each model measured "
-        f"{runs} times, each time in a fresh process, with `measure_step` (SGD). "
-        "Error = predicted / measured - 1.",
+        f"{runs} times, each time in a fresh process (SGD). Error = predicted / measured - 1.",
+        "",
+        "- *measured*: the allocator's peak over 3 steps (`measure_step`): what a step needs.",
+        f"- *requested*: the largest, over {TRACES} traced steps (`trace_step`), of the bytes "
+        "the tensors live at the allocator's peak asked for: the peak without the "
+        "allocator's rounding of chunks, which is what the memory model predicts.",
+        "- *rounding*: the allocator's chunks beyond the requests at the traced peaks, "
+        "as a fraction of the requests (TensorFlow's BFC allocator hands out a free chunk "
+        "of up to twice a request whole).",
         "",
         "| model | links | strategy | segments | predicted MiB | measured MiB, each run | "
-        "error, each run | error range |",
-        "|---|---:|---|---:|---:|---:|---:|---:|",
+        "error, each run | error range | requested MiB, each run | error vs requested | "
+        "rounding |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for result in results:
         for row in result["rows"]:
             measured = ", ".join(f"{m / 2**20:.1f}" for m in row["measured_bytes_runs"])
             errors = ", ".join(f"{e:+.1%}" for e in row["errors"])
+            requested = ", ".join(f"{m / 2**20:.1f}" for m in row["requested_bytes_runs"])
             lines.append(
                 f"| {result['model']} | {result['links']} | {row['strategy']} | "
                 f"{row['segments']} | {row['predicted_bytes'] / 2**20:.1f} | {measured} | "
-                f"{errors} | {row['error_min']:+.0%} .. {row['error_max']:+.0%} |"
+                f"{errors} | {row['error_min']:+.0%} .. {row['error_max']:+.0%} | "
+                f"{requested} | {row['requested_error_min']:+.0%} .. "
+                f"{row['requested_error_max']:+.0%} | "
+                f"{row['overhead_min']:+.0%} .. {row['overhead_max']:+.0%} |"
             )
+    lines += [
+        "",
+        "## The highest traced peak of each sqrt plan (first run)",
+        "",
+        "`trace_step(...).summary(top=5)`: the peak, the requested peak, and the five "
+        "largest buffers live at the peak (allocated, then requested bytes).",
+    ]
+    for result in results:
+        for row in result["rows"]:
+            if row["strategy"] == "sqrt" and row.get("trace_summary"):
+                lines += ["", f"{result['model']}:", "", "```", row["trace_summary"], "```"]
     return "\n".join(lines) + "\n"
 
 

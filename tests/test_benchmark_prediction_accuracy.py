@@ -7,7 +7,8 @@ import pytest
 from benchmarks import prediction_accuracy
 
 
-def _run(model: str, measured: list[int], plans=("none", "sqrt")) -> dict:
+def _run(model: str, measured: list[int], plans=("none", "sqrt"), requested=None) -> dict:
+    requested = requested or measured
     rows = [
         {
             "strategy": plan,
@@ -15,15 +16,22 @@ def _run(model: str, measured: list[int], plans=("none", "sqrt")) -> dict:
             "predicted_bytes": 100 << 20,
             "measured_bytes": m,
             "error": (100 << 20) / m - 1,
+            "requested_bytes": r,
+            "requested_error": (100 << 20) / r - 1,
+            "allocator_overhead": [m / r - 1, 0.0],
+            "trace_summary": f"peak of {model} {plan}",
             "budget_bytes": None,
         }
-        for i, (plan, m) in enumerate(zip(plans, measured))
+        for i, (plan, m, r) in enumerate(zip(plans, measured, requested))
     ]
     return {"model": model, "batch_size": 32, "links": 7, "rows": rows}
 
 
 def test_merge_runs_keeps_every_run_and_the_range():
-    runs = [_run("unet", [100 << 20, 125 << 20]), _run("unet", [80 << 20, 100 << 20])]
+    runs = [
+        _run("unet", [100 << 20, 125 << 20], requested=[80 << 20, 100 << 20]),
+        _run("unet", [80 << 20, 100 << 20]),
+    ]
     merged = prediction_accuracy.merge_runs(runs)
     assert merged["runs"] == 2 and merged["model"] == "unet"
     none, sqrt = merged["rows"]
@@ -31,13 +39,27 @@ def test_merge_runs_keeps_every_run_and_the_range():
     assert none["errors"] == pytest.approx([0.0, 0.25])
     assert (none["error_min"], none["error_max"]) == pytest.approx((0.0, 0.25))
     assert (sqrt["error_min"], sqrt["error_max"]) == pytest.approx((-0.2, 0.0))
+    assert none["requested_bytes_runs"] == [80 << 20, 80 << 20]
+    assert none["requested_errors"] == pytest.approx([0.25, 0.25])
+    assert (sqrt["requested_error_min"], sqrt["requested_error_max"]) == pytest.approx((0.0, 0.0))
+    # The rounding is over every traced step of every run: 25%, 0%, 0%, 0%.
+    assert (sqrt["overhead_min"], sqrt["overhead_max"]) == pytest.approx((0.0, 0.25))
     # The first run's fields are kept, for callers that read one run.
     assert none["error"] == runs[0]["rows"][0]["error"]
 
     table = prediction_accuracy._markdown([merged])
     assert "measured 2 times" in table
-    assert "| unet | 7 | none | 0 | 100.0 | 100.0, 80.0 | +0.0%, +25.0% | +0% .. +25% |" in table
-    assert "| unet | 7 | sqrt | 1 | 100.0 | 125.0, 100.0 | -20.0%, +0.0% | -20% .. +0% |" in table
+    assert (
+        "| unet | 7 | none | 0 | 100.0 | 100.0, 80.0 | +0.0%, +25.0% | +0% .. +25% "
+        "| 80.0, 80.0 | +25% .. +25% | +0% .. +25% |"
+    ) in table
+    assert (
+        "| unet | 7 | sqrt | 1 | 100.0 | 125.0, 100.0 | -20.0%, +0.0% | -20% .. +0% "
+        "| 100.0, 100.0 | +0% .. +0% | +0% .. +25% |"
+    ) in table
+    # The first run's trace of each sqrt plan, and no other.
+    assert "unet:\n\n```\npeak of unet sqrt\n```" in table
+    assert "peak of unet none" not in table
 
 
 @pytest.mark.parametrize(

@@ -29,14 +29,16 @@ MODELS = {
     "unet": lambda: models_zoo.unet(size=64, base=16),
 }
 
-# How far the planner's predicted peak may be from the measured step memory
-# (|predicted / measured - 1|), for the none, sqrt and optimal plans, measured
-# by benchmarks/prediction_accuracy.py in a fresh process per model. The
-# target is 15%. Errors seen over several runs: encoder -12% to +7%,
-# MobileNetV2 -23% to -2%, ResNet50 -24% to -3%, U-Net -31% to -4%; the
-# measured peak of one plan varies by up to about 15% between runs (the
-# order in which TensorFlow's two inter-op threads run ops changes which
-# tensors are alive together), so the bounds leave room for that.
+# The planner's memory model predicts the bytes the live tensors request; the
+# target is 15% of the requested peak of traced steps (`trace_step`), measured
+# by benchmarks/prediction_accuracy.py in a fresh process per model (seen over
+# three runs of none / sqrt / optimal on the four models: -5% to +13%).
+REQUESTED_TOLERANCE = 0.15
+# Against the allocator's peak (`measure_step`), which adds TensorFlow's
+# rounding of chunks (NOTE [ Requested and allocated bytes ] in
+# tfrecompute/tracing.py: +1% to +53% at traced peaks, varying from step to
+# step), the bounds are wider: errors seen were encoder -7% to +7%,
+# MobileNetV2 -24% to -5%, ResNet50 -27% to -11%, U-Net -31% to +6%.
 TOLERANCE = {"encoder": 0.2, "mobilenet_v2": 0.4, "resnet50": 0.4, "unet": 0.4}
 
 
@@ -99,6 +101,8 @@ def test_predicted_peak_against_measured(name):
     import prediction_accuracy
 
     result = prediction_accuracy.run_in_subprocess(name, BATCH)
+    requested = {row["strategy"]: row["requested_error"] for row in result["rows"]}
+    assert all(abs(e) <= REQUESTED_TOLERANCE for e in requested.values()), (name, requested)
     errors = {row["strategy"]: row["error"] for row in result["rows"]}
     assert all(abs(e) <= TOLERANCE[name] for e in errors.values()), (name, errors)
     optimal = next(row for row in result["rows"] if row["strategy"] == "optimal")
