@@ -224,6 +224,43 @@ def test_profile_counts_bytes_from_shapes_and_dtypes():
     assert chain.forward_cost[0] == pytest.approx(2 * (32 * 32 + 32) * 16)
 
 
+def test_profile_counts_only_gradients_that_exist():
+    # NOTE [ Which gradients exist ] in models.py: nothing upstream of the
+    # first trainable variable has a gradient (the input, its rescaling).
+    model = keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Rescaling(0.5),
+            keras.layers.Dense(8),
+            keras.layers.Dense(4),
+        ]
+    )
+    chain = tfrecompute.profile(model, batch_size=16)
+    assert len(chain.names) == 3
+    assert chain.input_grad_bytes == (0, 0, 16 * 8 * 4)
+
+
+def test_profile_input_gradient_of_a_link_that_skips_its_chain_input():
+    # NOTE [ A link that skips its chain input ]: the shortcut reads `h`, not the
+    # main path's output `m`, which only the Add reads.
+    inputs = keras.Input((8,))
+    h = keras.layers.Dense(8, name="h")(inputs)
+    # ReLU's backward reads its output, so each call is a link of its own.
+    m = keras.layers.Dense(16, activation="relu", name="main")(h)
+    s = keras.layers.Dense(16, activation="relu", name="shortcut")(h)
+    model = keras.Model(inputs, keras.layers.Add(name="add")([m, s]))
+    chain = tfrecompute.profile(model, batch_size=4)
+    assert chain.names == ("h", "main", "shortcut", "add")
+    row = 4 * 4  # bytes of one feature for the batch
+    assert chain.output_bytes == (8 * row, 16 * row, 16 * row, 16 * row)
+    # x_2 is `main`'s output: the shortcut reads none of it. x_3 is the
+    # shortcut's output, which the Add reads.
+    assert chain.input_grad_bytes == (0, 8 * row, 0, 16 * row)
+    # `h` (read by the shortcut) and `main` (read by the Add) are carries with
+    # gradients: 8 * row from the shortcut's backward, 16 * row from the Add's.
+    assert chain.carry_grads == ((0, 2, 8 * row), (1, 3, 16 * row))
+
+
 def test_profile_halves_bytes_under_a_16_bit_policy():
     keras.config.set_dtype_policy("mixed_bfloat16")
     try:
