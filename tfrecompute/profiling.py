@@ -47,9 +47,19 @@ def _check_count(api: str, name: str, value: Any) -> None:
 
 
 def prepare_step(
-    api: str, model: Any, x: Any, y: Any, *, warmup: int, device: str | None
+    api: str,
+    model: Any,
+    x: Any,
+    y: Any,
+    *,
+    warmup: int,
+    device: str | None,
+    counts: dict[str, Any] | None = None,
 ) -> tuple[Any, Any, str]:
     """Checks a step's arguments, converts the batch and runs the warm-up steps.
+
+    `counts` are further arguments that must be positive integers (after the
+    model is checked, with `warmup`).
 
     Returns:
         `(x, y, device)`: the batch as tensors on the device, and the device name.
@@ -66,7 +76,8 @@ def prepare_step(
             "model.compile(optimizer=..., loss=...) first, e.g. "
             'model.compile(optimizer="sgd", loss="mse").'
         )
-    _check_count(api, "warmup", warmup)
+    for name, value in {"warmup": warmup, **(counts or {})}.items():
+        _check_count(api, name, value)
     if x is None:
         raise ValueError(
             f"{api}: `x` is missing. Received: x=None (of type NoneType). Pass one "
@@ -137,8 +148,9 @@ def measure_step(
     print(f"{m.peak_bytes / 2**20:.1f} MiB in {m.seconds * 1e3:.1f} ms")
     ```
     """
-    _check_count("measure_step", "steps", steps)
-    x, y, device = prepare_step("measure_step", model, x, y, warmup=warmup, device=device)
+    x, y, device = prepare_step(
+        "measure_step", model, x, y, warmup=warmup, device=device, counts={"steps": steps}
+    )
 
     peaks, times = [], []
     for _ in range(steps):

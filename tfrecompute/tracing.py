@@ -3,19 +3,20 @@
 `measure_step` reads the allocator's peak; `trace_step` also says what made
 it. It records every allocation and deallocation of one compiled step with
 TensorFlow's profiler (the allocator's `MemoryAllocation` and
-`MemoryDeallocation` events, host tracer level 3) and replays them in time
-order up to the allocator's peak.
+`MemoryDeallocation` events, which its default host tracer records) and
+replays them in time order.
 
 NOTE [ Requested and allocated bytes ]
 TensorFlow's BFC allocator (the CPU allocator under oneDNN, and the GPU
 allocator) serves a request from the smallest free chunk that fits, and only
-splits that chunk when it is at least twice the request. So a tensor can hold
-up to twice its own bytes: an 8 MiB activation placed in a 12 MiB hole left
-by an earlier step holds 12 MiB. The allocator's peak counts chunks; the
-bytes the tensors asked for are the "requested" peak. The difference depends
-on where earlier steps left free space (variables updated by copy-on-write
-move every step), so it varies from step to step of the same model. The
-planner's memory model predicts requested bytes; this module measures both.
+splits that chunk when it is at least twice the request (or the rest is at
+least 128 MiB). So a tensor can hold up to twice its own bytes: an 8 MiB
+activation placed in a 12 MiB hole left by an earlier step holds 12 MiB. The
+allocator's peak counts chunks; the bytes the tensors asked for are the
+"requested" peak. The difference depends on where earlier steps left free
+space (variables updated by copy-on-write move every step), so it varies from
+step to step of the same model. The planner's memory model predicts requested
+bytes; this module measures both.
 """
 
 from __future__ import annotations
@@ -60,9 +61,12 @@ class StepTrace:
         peak_bytes: the allocator's peak minus the bytes in use before the
             step, as `measure_step` reports it.
         requested_peak_bytes: the most bytes the step's live tensors asked
-            for at any moment: the peak without the allocator's rounding of
-            chunks (NOTE [ Requested and allocated bytes ] in this module),
-            which is what the planner's memory model predicts.
+            for at any moment, above what they had asked for before the step:
+            the peak without the allocator's rounding of chunks (NOTE [
+            Requested and allocated bytes ] in this module), which is what the
+            planner's memory model predicts. It can fall at another moment
+            than the allocator's peak, and even exceed it when the step frees
+            buffers of an earlier step that held more than they asked for.
         live_at_peak: the buffers allocated during the step and live at the
             peak, largest first.
         device: the device whose allocator was traced.
@@ -75,7 +79,7 @@ class StepTrace:
 
     @property
     def allocator_overhead_bytes(self) -> int:
-        """How much the allocator's peak exceeds the requested peak (its rounding)."""
+        """`peak_bytes - requested_peak_bytes`: what the allocator's rounding added."""
         return self.peak_bytes - self.requested_peak_bytes
 
     def summary(self, top: int = 10) -> str:
@@ -135,8 +139,62 @@ def _memory_events(logdir: str, device: str) -> list[tuple[int, str, dict[str, A
                     continue
                 time_ps = line.timestamp_ns * 1000 + event.offset_ps
                 events.append(((time_ps, line_index, position), name, stats))
+    # One allocator's events: its count of bytes in use is what is replayed.
+    by_allocator: dict[str, int] = {}
+    for _, _, stats in events:
+        name = str(stats.get("allocator_name", ""))
+        by_allocator[name] = by_allocator.get(name, 0) + 1
+    if len(by_allocator) > 1:
+        busiest = max(by_allocator, key=lambda name: by_allocator[name])
+        events = [e for e in events if e[2].get("allocator_name") == busiest]
     events.sort(key=lambda e: e[0])
     return [(key[0], name, stats) for key, name, stats in events]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Replay:
+    peak: int  # the most bytes in use above the first event's starting point
+    requested_peak: int  # the most bytes requested above the same point
+    live_at_peak: tuple[Allocation, ...]
+
+
+def _replay(events: list[tuple[int, str, dict[str, Any]]]) -> _Replay:
+    """Replays allocator events in time order (see `trace_step`).
+
+    Every event carries its buffer's requested and allocated bytes, also the
+    deallocation of a buffer made before the trace began (a variable's
+    previous buffer, freed when an update copies it), so both running sums are
+    exact. The live set only knows buffers allocated during the trace.
+    """
+    live: dict[int, Allocation] = {}
+    allocated = requested = 0
+    peak = requested_peak = 0
+    top_live: dict[int, Allocation] = {}
+    for _, name, stats in events:
+        address = int(stats.get("addr", 0))
+        chunk = int(stats.get("allocation_bytes", 0))
+        asked = int(stats.get("requested_bytes", 0))
+        if name == "MemoryAllocation":
+            allocated += chunk
+            requested += asked
+            live[address] = Allocation(
+                op=str(stats.get("tf_op", "")),
+                shape=str(stats.get("shape", "")),
+                requested_bytes=asked,
+                allocated_bytes=chunk,
+            )
+        else:
+            allocated -= chunk
+            requested -= asked
+            live.pop(address, None)
+        requested_peak = max(requested_peak, requested)
+        if allocated > peak:
+            peak, top_live = allocated, dict(live)
+    return _Replay(
+        peak=peak,
+        requested_peak=requested_peak,
+        live_at_peak=tuple(sorted(top_live.values(), key=lambda a: -a.allocated_bytes)),
+    )
 
 
 def trace_step(
@@ -153,8 +211,9 @@ def trace_step(
     allocator's events, and replays them: the moment the allocator's bytes in
     use were highest and which of the step's buffers were live then, and the
     most bytes the live tensors requested at any moment (NOTE [ Requested and
-    allocated bytes ] in `tfrecompute.tracing`). The traced step runs a little slower;
-    its peak is that of an untraced step, which varies from step to step.
+    allocated bytes ] in `tfrecompute.tracing`). The traced step runs a little
+    slower; its peak is that of an untraced step, which varies from step to
+    step.
 
     Args:
         model: a built, compiled Keras model.
@@ -169,6 +228,9 @@ def trace_step(
         A `StepTrace`; `summary()` prints the peak and its largest buffers.
 
     Raises:
+        TypeError: `model` is not a Keras model, or `device` not a string.
+        ValueError: the model is not compiled, `x` is missing, `warmup` is
+            not a positive integer, or the device does not exist.
         RuntimeError: another TensorFlow profiler session is running, or
             the trace recorded no allocation.
 
@@ -182,16 +244,14 @@ def trace_step(
     """
     x, y, device = prepare_step("trace_step", model, x, y, warmup=warmup, device=device)
     with tempfile.TemporaryDirectory(prefix="tfrecompute-trace-") as logdir:
-        options = tf.profiler.experimental.ProfilerOptions(
-            host_tracer_level=3, python_tracer_level=0, device_tracer_level=0
-        )
+        # The default host tracer level records the allocator's events.
         try:
-            tf.profiler.experimental.start(logdir, options=options)
+            tf.profiler.experimental.start(logdir)
         except tf.errors.AlreadyExistsError as error:
             raise RuntimeError(
-                "trace_step: another TensorFlow profiler session is running. Received: "
-                f"model={model.name!r} (of type {type(model).__name__}). Stop it with "
-                "tf.profiler.experimental.stop() first."
+                "trace_step: another TensorFlow profiler session is running, and TensorFlow "
+                f"runs one at a time. Received: model={model.name!r} (of type "
+                f"{type(model).__name__}). Stop it with tf.profiler.experimental.stop() first."
             ) from error
         try:
             before = tf.config.experimental.get_memory_info(device)["current"]
@@ -202,39 +262,21 @@ def trace_step(
             tf.profiler.experimental.stop()
         events = _memory_events(logdir, device)
     if not events:
+        hint = (
+            "TensorFlow's CPU allocator traces allocations of 256 KiB or more; trace a "
+            "larger batch."
+            if device.upper().replace("/DEVICE:", "").startswith("CPU")
+            else "The GPU allocator must be TensorFlow's BFC allocator (TF_GPU_ALLOCATOR "
+            "unset); cuda_malloc_async records no such events."
+        )
         raise RuntimeError(
             f"trace_step: the profiler recorded no allocation on {device}. Received: "
-            f"device={device!r} (of type str). TensorFlow's CPU allocator traces "
-            "allocations of 256 KiB or more; trace a larger batch."
+            f"model={model.name!r} (of type {type(model).__name__}). {hint}"
         )
-    # Replay the events in time order. Buffers allocated before the step and
-    # freed during it are not in `live`; the allocator's own count of bytes in
-    # use (each event's `bytes_allocated`) already reflects them.
-    live: dict[int, Allocation] = {}
-    rounding = 0  # chunk bytes beyond the requests, over `live`
-    top_count, top_live = -1, live
-    requested_top = 0
-    for _, name, stats in events:
-        address = stats.get("addr", 0)
-        if name == "MemoryAllocation":
-            allocation = Allocation(
-                op=str(stats.get("tf_op", "")),
-                shape=str(stats.get("shape", "")),
-                requested_bytes=int(stats.get("requested_bytes", 0)),
-                allocated_bytes=int(stats.get("allocation_bytes", 0)),
-            )
-            live[address] = allocation
-            rounding += allocation.allocated_bytes - allocation.requested_bytes
-        elif address in live:
-            freed = live.pop(address)
-            rounding -= freed.allocated_bytes - freed.requested_bytes
-        count = int(stats.get("bytes_allocated", 0))
-        requested_top = max(requested_top, count - rounding)
-        if count > top_count:
-            top_count, top_live = count, dict(live)
+    replay = _replay(events)
     return StepTrace(
         peak_bytes=int(peak),
-        requested_peak_bytes=int(min(max(requested_top - before, 0), peak)),
-        live_at_peak=tuple(sorted(top_live.values(), key=lambda a: -a.allocated_bytes)),
+        requested_peak_bytes=replay.requested_peak,
+        live_at_peak=replay.live_at_peak,
         device=device,
     )
