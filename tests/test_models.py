@@ -240,6 +240,17 @@ def test_profile_counts_only_gradients_that_exist():
     assert chain.input_grad_bytes == (0, 0, 16 * 8 * 4)
 
 
+def test_profile_has_no_gradient_for_frozen_layers_or_integer_ids():
+    frozen = keras.layers.Dense(8, activation="relu", trainable=False)
+    model = keras.Sequential([keras.Input((8,)), frozen, keras.layers.Dense(4, activation="relu")])
+    assert tfrecompute.profile(model, batch_size=16).input_grad_bytes == (0, 0)
+    ids = keras.Input((6,), dtype="int32")
+    hidden = keras.layers.Embedding(10, 4)(ids)
+    model = keras.Model(ids, keras.layers.Dense(2, activation="relu")(hidden))
+    # The embedding's input is integer ids; the Dense's input has a gradient.
+    assert tfrecompute.profile(model, batch_size=16).input_grad_bytes == (0, 16 * 6 * 4 * 4)
+
+
 def test_profile_input_gradient_of_a_link_that_skips_its_chain_input():
     # NOTE [ A link that skips its chain input ]: the shortcut reads `h`, not the
     # main path's output `m`, which only the Add reads.

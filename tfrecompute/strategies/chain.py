@@ -236,7 +236,8 @@ class Chain:
 
         Returns `(backward, recompute)`: `backward[k]` (for `k` in `0..n-1`) is
         what is alive while layer `k`'s backward pass runs besides the
-        gradients of `x_k` and `x_{k+1}`: `G_k`, plus the `carry_grads` `(i, j,
+        gradient of `x_{k+1}` and the one it makes for its input
+        (`input_grad_bytes[k]`): `G_k`, plus the `carry_grads` `(i, j,
         b)` with `i < k <= j`. `recompute[e]` (for `e` in `0..n`) is what is
         alive while a segment ending at `e` runs forward again (after the
         backward pass of layer `e`) besides the gradient of `x_e`: `G_e`, plus
