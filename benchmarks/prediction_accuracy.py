@@ -3,9 +3,10 @@
 For each model, plans `none`, `sqrt` and `optimal` (at a budget halfway
 between the least feasible peak and storing everything), rewrites the model,
 and measures compiled training steps with `tfrecompute.measure_step` (the
-allocator's peak) and `tfrecompute.trace_step` (the bytes the live tensors
-requested at the peak, without the allocator's rounding of chunks: see
-NOTE [ Requested and allocated bytes ] in tfrecompute/tracing.py). Each model
+allocator's peak) and `tfrecompute.trace_step` (the requested peak: the most
+bytes the step's tensors asked for at any moment, without the allocator's
+rounding of chunks; see NOTE [ Requested and allocated bytes ] in
+tfrecompute/tracing.py). Each model
 is measured in a fresh process, so that no earlier allocation shapes the
 allocator's state, and `--runs` times (each in its own process), since the
 same plan's measured peak varies from run to run. Writes
@@ -71,7 +72,7 @@ def measure(name: str, batch_size: int) -> dict[str, object]:
         rewritten.compile(optimizer="sgd", loss="mse")
         step = tfrecompute.measure_step(rewritten, x, y)
         traces = [tfrecompute.trace_step(rewritten, x, y, warmup=1) for _ in range(TRACES)]
-        requested = max(t.requested_peak_bytes for t in traces)
+        requested = max(max(t.requested_peak_bytes for t in traces), 1)
         rows.append(
             {
                 "strategy": strategy,
@@ -81,7 +82,9 @@ def measure(name: str, batch_size: int) -> dict[str, object]:
                 "error": plan.peak_bytes / step.peak_bytes - 1,
                 "requested_bytes": requested,
                 "requested_error": plan.peak_bytes / requested - 1,
-                "allocator_overhead": [t.peak_bytes / t.requested_peak_bytes - 1 for t in traces],
+                "allocator_overhead": [
+                    t.peak_bytes / max(t.requested_peak_bytes, 1) - 1 for t in traces
+                ],
                 "trace_summary": max(traces, key=lambda t: t.peak_bytes).summary(top=5),
                 "budget_bytes": budget if strategy == "optimal" else None,
             }
@@ -104,9 +107,9 @@ def merge_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     Each row keeps the first run's fields and adds, over the runs in order,
     `measured_bytes_runs`, `errors`, `error_min` and `error_max` (against the
     allocator's peak), `requested_bytes_runs`, `requested_errors`,
-    `requested_error_min` and `requested_error_max` (against the bytes the
-    live tensors requested), and `overhead_min` and `overhead_max` (the
-    allocator's rounding at the traced peaks, as a fraction of the requests).
+    `requested_error_min` and `requested_error_max` (against the requested
+    peak), and `overhead_min` and `overhead_max` (over every traced step, its
+    allocator peak over its requested peak, minus one).
 
     Raises:
         ValueError: no runs, or runs of different models or plans.
@@ -154,12 +157,11 @@ def _markdown(results: list[dict[str, Any]]) -> str:
         f"{runs} times, each time in a fresh process (SGD). Error = predicted / measured - 1.",
         "",
         "- *measured*: the allocator's peak over 3 steps (`measure_step`): what a step needs.",
-        f"- *requested*: the largest, over {TRACES} traced steps (`trace_step`), of the bytes "
-        "the tensors live at the allocator's peak asked for: the peak without the "
+        f"- *requested*: the largest requested peak of {TRACES} traced steps (`trace_step`): "
+        "the most bytes the step's tensors asked for at any moment, without the "
         "allocator's rounding of chunks, which is what the memory model predicts.",
-        "- *rounding*: the allocator's chunks beyond the requests at the traced peaks, "
-        "as a fraction of the requests (TensorFlow's BFC allocator hands out a free chunk "
-        "of up to twice a request whole).",
+        "- *rounding*: each traced step's allocator peak over its requested peak, minus one "
+        "(TensorFlow's BFC allocator hands out a free chunk of up to twice a request whole).",
         "",
         "| model | links | strategy | segments | predicted MiB | measured MiB, each run | "
         "error, each run | error range | requested MiB, each run | error vs requested | "

@@ -36,9 +36,10 @@ MODELS = {
 REQUESTED_TOLERANCE = 0.15
 # Against the allocator's peak (`measure_step`), which adds TensorFlow's
 # rounding of chunks (NOTE [ Requested and allocated bytes ] in
-# tfrecompute/tracing.py: +1% to +53% at traced peaks, varying from step to
-# step), the bounds are wider: errors seen were encoder -7% to +7%,
-# MobileNetV2 -24% to -5%, ResNet50 -27% to -11%, U-Net -31% to +6%.
+# tfrecompute/tracing.py: up to +53% over the requested peak in traced
+# steps, varying from step to step), the bounds are wider: errors seen over
+# runs were encoder -7% to +7%, MobileNetV2 -24% to -3%, ResNet50 -27% to -8%,
+# U-Net -31% to +6%.
 TOLERANCE = {"encoder": 0.2, "mobilenet_v2": 0.4, "resnet50": 0.4, "unet": 0.4}
 
 
