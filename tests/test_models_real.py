@@ -43,6 +43,10 @@ REQUESTED_TOLERANCE = 0.15
 TOLERANCE = {"encoder": 0.2, "mobilenet_v2": 0.4, "resnet50": 0.4, "unet": 0.4}
 
 
+def _requested(trace):
+    return trace.requested_peak_bytes
+
+
 def _batch(model, batch=BATCH):
     return models_zoo.synthetic_batch(model, batch)
 
@@ -81,9 +85,17 @@ def test_sqrt_rewrite_fits_in_less_memory(real):
     model.compile(optimizer="sgd", loss="mse")
     rewritten.compile(optimizer="sgd", loss="mse")
     rewritten.fit(x, y, batch_size=BATCH // 2, epochs=1, verbose=0)
-    plain = tfrecompute.measure_step(model, x, y)
-    blocked = tfrecompute.measure_step(rewritten, x, y)
-    assert blocked.peak_bytes <= 0.75 * plain.peak_bytes, (name, blocked, plain)
+    # Requested peaks, since the allocator's rounding moves a CNN's measured
+    # peak by up to about a third from step to step (U-Net: sqrt at 0.64x to
+    # 0.92x of storing everything over three runs, requested 0.67x each time).
+    plain = max((tfrecompute.trace_step(model, x, y) for _ in range(2)), key=_requested)
+    blocked = max((tfrecompute.trace_step(rewritten, x, y) for _ in range(2)), key=_requested)
+    assert blocked.requested_peak_bytes <= 0.75 * plain.requested_peak_bytes, (
+        name,
+        blocked.summary(),
+        plain.summary(),
+    )
+    assert blocked.peak_bytes < plain.peak_bytes, (name, blocked.summary(), plain.summary())
 
 
 def test_generous_budget_recomputes_nothing(real):
