@@ -109,6 +109,19 @@ def recompute_grad(fn: Callable[..., Sequence[tf.Tensor]]) -> Callable[..., list
                 output_gradients=[result_grads[i] for i in connected],
                 unconnected_gradients=tf.UnconnectedGradients.ZERO,
             )
+            if variables and not tf.executing_eagerly():
+                # NOTE [ Variable gradients wait for the whole backward ]
+                # An optimizer updates a variable as soon as its gradient
+                # exists. With a block nested in another, a variable's
+                # gradient could exist while part of the enclosing backward
+                # still had to read that variable, which then read the updated
+                # value: about 1 in 10 freshly traced train steps trained
+                # differently (Dense, a nested Dense + Dropout, BatchNorm; two
+                # busy cores), and none when the updates ran in a separate
+                # function after the gradients. So the variable gradients are
+                # released only once every gradient of the block is computed.
+                with tf.control_dependencies(grads):
+                    grads = grads[: len(inputs)] + [tf.identity(g) for g in grads[len(inputs) :]]
             return grads[: len(inputs)], grads[len(inputs) :]
 
         return result, gradient
