@@ -48,7 +48,7 @@ def _model(name: str):  # noqa: ANN202 (keras is imported in the worker only)
     }[name]()
 
 
-def measure(name: str, batch_size: int) -> dict[str, object]:
+def measure(name: str, batch_size: int, traces: int = TRACES) -> dict[str, object]:
     """Predicted and measured peaks of one model's plans (run in a worker process)."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     sys.path.insert(0, str(ROOT))  # this checkout's tfrecompute and tests, not an installed one
@@ -71,8 +71,8 @@ def measure(name: str, batch_size: int) -> dict[str, object]:
         rewritten = tfrecompute.recompute(model, plan) if plan.segments else model
         rewritten.compile(optimizer="sgd", loss="mse")
         step = tfrecompute.measure_step(rewritten, x, y)
-        traces = [tfrecompute.trace_step(rewritten, x, y, warmup=1) for _ in range(TRACES)]
-        requested = max(max(t.requested_peak_bytes for t in traces), 1)
+        traced = [tfrecompute.trace_step(rewritten, x, y, warmup=1) for _ in range(traces)]
+        requested = max(max(t.requested_peak_bytes for t in traced), 1)
         rows.append(
             {
                 "strategy": strategy,
@@ -83,18 +83,19 @@ def measure(name: str, batch_size: int) -> dict[str, object]:
                 "requested_bytes": requested,
                 "requested_error": plan.peak_bytes / requested - 1,
                 "allocator_overhead": [
-                    t.peak_bytes / max(t.requested_peak_bytes, 1) - 1 for t in traces
+                    t.peak_bytes / max(t.requested_peak_bytes, 1) - 1 for t in traced
                 ],
-                "trace_summary": max(traces, key=lambda t: t.peak_bytes).summary(top=5),
+                "trace_summary": max(traced, key=lambda t: t.peak_bytes).summary(top=5),
                 "budget_bytes": budget if strategy == "optimal" else None,
             }
         )
     return {"model": name, "batch_size": batch_size, "links": chain.n, "rows": rows}
 
 
-def run_in_subprocess(name: str, batch_size: int) -> dict[str, object]:
+def run_in_subprocess(name: str, batch_size: int, traces: int = TRACES) -> dict[str, object]:
     """Runs `measure` for one model in a fresh Python process."""
     command = [sys.executable, __file__, "--worker", name, "--batch-size", str(batch_size)]
+    command += ["--traces", str(traces)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
     if result.returncode != 0:
         raise RuntimeError(f"measuring {name} failed:\n{result.stderr[-3000:]}")
@@ -201,10 +202,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--runs", type=int, default=3, help="fresh processes per model")
     parser.add_argument("--out", type=pathlib.Path, default=_report.RESULTS)
+    parser.add_argument("--traces", type=int, default=TRACES, help=argparse.SUPPRESS)
     parser.add_argument("--worker", choices=MODELS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        print(json.dumps(measure(args.worker, args.batch_size)))
+        print(json.dumps(measure(args.worker, args.batch_size, args.traces)))
         return []
     if args.runs < 1:
         parser.error(f"--runs must be at least 1. Received: --runs={args.runs}.")
