@@ -164,3 +164,15 @@ def run_benchmark_smoke(name: str, out: Any, *, timeout: float = 600) -> tuple[d
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads((out / f"{name}.json").read_text()), (out / f"{name}.md").read_text()
+
+
+def highest_requested_trace(model: Any, x: Any, y: Any, *, traces: int = 2) -> Any:
+    """Of `traces` traced steps (`tfrecompute.trace_step`), the one with the highest requested peak.
+
+    The order in which TensorFlow's inter-op threads run ops moves a step's
+    requested peak; the highest of a few is the stable figure to compare.
+    """
+    import tfrecompute
+
+    steps = [tfrecompute.trace_step(model, x, y, warmup=1) for _ in range(traces)]
+    return max(steps, key=lambda trace: trace.requested_peak_bytes)

@@ -15,7 +15,7 @@ import pytest
 
 import tfrecompute
 from tests import models_zoo
-from tests.helpers import assert_same_training
+from tests.helpers import assert_same_training, highest_requested_trace
 from tfrecompute import RecomputeBlock
 
 pytestmark = pytest.mark.slow
@@ -51,10 +51,6 @@ TOLERANCE = {"encoder": 0.2, "mobilenet_v2": 0.4, "resnet50": 0.4, "unet": 0.4}
 # The gap of REQUESTED_GAPS, with the allocator's rounding on top: -30% to -36%
 # in the stored runs.
 GAPS = {("resnet50", "sqrt"): 0.5}
-
-
-def _requested(trace):
-    return trace.requested_peak_bytes
 
 
 def _batch(model, batch=BATCH):
@@ -98,8 +94,8 @@ def test_sqrt_rewrite_fits_in_less_memory(real):
     # Requested peaks, since the allocator's rounding moves a CNN's measured
     # peak by up to about a third from step to step (U-Net: sqrt at 0.64x to
     # 0.92x of storing everything over three runs, requested 0.67x each time).
-    plain = max((tfrecompute.trace_step(model, x, y) for _ in range(2)), key=_requested)
-    blocked = max((tfrecompute.trace_step(rewritten, x, y) for _ in range(2)), key=_requested)
+    plain = highest_requested_trace(model, x, y)
+    blocked = highest_requested_trace(rewritten, x, y)
     assert blocked.requested_peak_bytes <= 0.75 * plain.requested_peak_bytes, (
         name,
         blocked.summary(),

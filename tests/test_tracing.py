@@ -83,7 +83,7 @@ MIB = 2**20
 def _event(kind, address, requested, allocated, op="op"):
     name = "MemoryAllocation" if kind == "+" else "MemoryDeallocation"
     stats = {"addr": address, "requested_bytes": requested, "allocation_bytes": allocated}
-    return (0, name, {**stats, "tf_op": op, "shape": "[1]"})
+    return (name, {**stats, "tf_op": op, "shape": "[1]"})
 
 
 def test_replay_counts_buffers_freed_from_before_the_step():

@@ -128,15 +128,14 @@ def _profile_graph(
     # NOTE [ Parameter gradients ]
     # In a compiled step each variable's update runs as soon as its gradient
     # exists, unless the optimizer needs all gradients first (global norm
-    # clipping, loss scaling, gradient accumulation). Measured with 8
-    # Dense(2048) at batch 64 (128 MiB of weights, test_models.py
-    # test_parameter_gradients_follow_the_optimizer): 36 to 67 MiB per SGD step
-    # over steps and runs (requested bytes, `trace_step`), and 144 MiB with
-    # global_clipnorm. So by default a link's weight gradients are transient,
-    # counted in the workspace of its backward together with the two links
-    # backprop reaches just before it (up to three links' worth were in
-    # flight); with such an optimizer they stay live until the step's end
-    # (`Chain.grad_bytes`).
+    # clipping, loss scaling, gradient accumulation). So by default a link's
+    # weight gradients are transient, counted in the workspace of its backward
+    # together with the two links backprop reaches just before it; with such
+    # an optimizer they stay live until the step's end (`Chain.grad_bytes`).
+    # test_models.py test_parameter_gradients_follow_the_optimizer checks both
+    # against traced steps of 8 Dense(2048) (128 MiB of weights). Not counted
+    # yet: a recomputed segment holds its weight gradients through its
+    # backward (NOTE [ Variable gradients wait for the whole backward ]).
     grads = [0] * n
     last_call: dict[int, tuple[int, Any]] = {}
     for index, call in enumerate(graph.calls):
@@ -182,7 +181,7 @@ def _profile_graph(
     input_bytes = sum(size(t) for t in graph.model.inputs)
     output_bytes, saved_bytes, workspace_bytes, costs, link_names = [], [], [], [], []
     input_grads: list[int] = []
-    previous_out: list[int] = []  # ids of x_k: what the link before hands on
+    previous_out: set[int] = set()  # ids of x_k: what the link before hands on
     for first, stop in groups:
         live_in, live_out = graph.segment_io(first, stop)
         # NOTE [ A link that skips its chain input ]
@@ -190,9 +189,9 @@ def _profile_graph(
         # reads. ResNet's projection shortcut reads the block's input, not the
         # main path's last output, which only the Add after it reads: that
         # tensor's gradient is then a carry gradient, not this link's.
-        reads = set(live_in) & set(previous_out)
+        reads = previous_out.intersection(live_in)
         input_grads.append(gradients([graph.tensors[key].tensor for key in reads]))
-        previous_out = list(live_out)
+        previous_out = set(live_out)
         out = sum(size(graph.tensors[key].tensor) for key in live_out)
         saved = sum(memories[i].kept_bytes for i in range(first, stop))
         saved += sum(

@@ -21,6 +21,7 @@ bytes; this module measures both.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import glob
 import os
@@ -106,8 +107,8 @@ def _allocator_matches(name: str, device: str) -> bool:
     return not name.startswith("gpu")
 
 
-def _memory_events(logdir: str, device: str) -> list[tuple[int, str, dict[str, Any]]]:
-    """The allocator events of a profile, in time order, as (time, name, stats)."""
+def _memory_events(logdir: str, device: str) -> list[tuple[str, dict[str, Any]]]:
+    """The allocator events of a profile, in time order, as (name, stats)."""
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
     paths = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
@@ -140,15 +141,12 @@ def _memory_events(logdir: str, device: str) -> list[tuple[int, str, dict[str, A
                 time_ps = line.timestamp_ns * 1000 + event.offset_ps
                 events.append(((time_ps, line_index, position), name, stats))
     # One allocator's events: its count of bytes in use is what is replayed.
-    by_allocator: dict[str, int] = {}
-    for _, _, stats in events:
-        name = str(stats.get("allocator_name", ""))
-        by_allocator[name] = by_allocator.get(name, 0) + 1
-    if len(by_allocator) > 1:
-        busiest = max(by_allocator, key=lambda name: by_allocator[name])
+    allocators = collections.Counter(str(e[2].get("allocator_name", "")) for e in events)
+    if len(allocators) > 1:
+        busiest = allocators.most_common(1)[0][0]
         events = [e for e in events if e[2].get("allocator_name") == busiest]
     events.sort(key=lambda e: e[0])
-    return [(key[0], name, stats) for key, name, stats in events]
+    return [(name, stats) for _, name, stats in events]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +156,7 @@ class _Replay:
     live_at_peak: tuple[Allocation, ...]
 
 
-def _replay(events: list[tuple[int, str, dict[str, Any]]]) -> _Replay:
+def _replay(events: list[tuple[str, dict[str, Any]]]) -> _Replay:
     """Replays allocator events in time order (see `trace_step`).
 
     Every event carries its buffer's requested and allocated bytes, also the
@@ -170,7 +168,7 @@ def _replay(events: list[tuple[int, str, dict[str, Any]]]) -> _Replay:
     allocated = requested = 0
     peak = requested_peak = 0
     top_live: dict[int, Allocation] = {}
-    for _, name, stats in events:
+    for name, stats in events:
         address = int(stats.get("addr", 0))
         chunk = int(stats.get("allocation_bytes", 0))
         asked = int(stats.get("requested_bytes", 0))

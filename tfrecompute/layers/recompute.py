@@ -111,15 +111,15 @@ def recompute_grad(fn: Callable[..., Sequence[tf.Tensor]]) -> Callable[..., list
             )
             if variables and not tf.executing_eagerly():
                 # NOTE [ Variable gradients wait for the whole backward ]
-                # An optimizer updates a variable as soon as its gradient
-                # exists. With a block nested in another, a variable's
-                # gradient could exist while part of the enclosing backward
-                # still had to read that variable, which then read the updated
-                # value: about 1 in 10 freshly traced train steps trained
-                # differently (Dense, a nested Dense + Dropout, BatchNorm; two
-                # busy cores), and none when the updates ran in a separate
-                # function after the gradients. So the variable gradients are
-                # released only once every gradient of the block is computed.
+                # An optimizer in the same graph updates a variable as soon as
+                # its gradient exists. Released early, a block's variable
+                # gradients let an update reach a read of the block's backward,
+                # single or nested: freshly traced train steps then sometimes
+                # trained differently from the unwrapped layers, never when the
+                # updates ran after the gradient function (test_recompute_block
+                # test_variable_updates_in_the_same_step_do_not_reach_the_
+                # recompute). So they are released once every gradient of the
+                # block is computed; a segment holds them through its backward.
                 with tf.control_dependencies(grads):
                     grads = grads[: len(inputs)] + [tf.identity(g) for g in grads[len(inputs) :]]
             return grads[: len(inputs)], grads[len(inputs) :]
