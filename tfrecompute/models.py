@@ -129,13 +129,13 @@ def _profile_graph(
     # In a compiled step each variable's update runs as soon as its gradient
     # exists, unless the optimizer needs all gradients first (global norm
     # clipping, loss scaling, gradient accumulation). So by default a link's
-    # weight gradients are transient, counted in the workspace of its backward
-    # together with the two links backprop reaches just before it; with such
-    # an optimizer they stay live until the step's end (`Chain.grad_bytes`).
+    # weight gradients are applied ones (`Chain.update_grad_bytes`): alive
+    # through the backward of the next `Chain.UPDATE_LAG` links, and through
+    # the rest of its segment's backward when the link is recomputed (NOTE
+    # [ Variable gradients wait for the whole backward ]); with such an
+    # optimizer they stay live until the step's end (`Chain.grad_bytes`).
     # test_models.py test_parameter_gradients_follow_the_optimizer checks both
-    # against traced steps of 8 Dense(2048) (128 MiB of weights). Not counted
-    # yet: a recomputed segment holds its weight gradients through its
-    # backward (NOTE [ Variable gradients wait for the whole backward ]).
+    # against traced steps of 8 Dense(2048) (128 MiB of weights).
     grads = [0] * n
     last_call: dict[int, tuple[int, Any]] = {}
     for index, call in enumerate(graph.calls):
@@ -214,7 +214,7 @@ def _profile_graph(
             inputs = [t for t in call_args[i] if (id(t), link) not in carried_in]
             own = gradients(graph.calls[i].outputs) + gradients(inputs) - out - link_in
             workspace = max(workspace, memories[i].workspace_bytes + max(own, 0))
-        workspace_bytes.append(workspace if keep_all else workspace + sum(grads[link : link + 3]))
+        workspace_bytes.append(workspace)
         costs.append(
             sum(
                 _estimated_flops(graph.calls[i].layer, graph.calls[i].outputs, batch_size)
@@ -233,6 +233,7 @@ def _profile_graph(
         costs,
         workspace_bytes=workspace_bytes,
         grad_bytes=grads if keep_all else None,
+        update_grad_bytes=None if keep_all else grads,
         carries=carries,
         carry_grads=carry_grads,
         input_grad_bytes=input_grads,

@@ -81,7 +81,7 @@ def random_chain(rng: random.Random, n: int, *, scale: int = 1) -> Chain:
     """A heterogeneous chain with small integer sizes (many ties) and mixed costs.
 
     It has random carries (some larger than their producer's saved bytes),
-    carry gradients and parameter gradients.
+    carry gradients and parameter gradients (kept and applied).
     """
     outputs = [rng.choice([0, 1, 2, 3, 5, 8, 13]) * scale for _ in range(n)]
     saved = [o + rng.choice([0, 0, 1, 4, 9]) * scale for o in outputs]
@@ -99,6 +99,7 @@ def random_chain(rng: random.Random, n: int, *, scale: int = 1) -> Chain:
         grad_bytes=[rng.choice([0, 0, 1, 3]) * scale for _ in range(n)],
         carry_grads=random_carries(rng, n, [s * scale for s in (0, 2, 5, 12)]),
         input_grad_bytes=[rng.choice([a, a, a // 2, 0]) for a in activations],
+        update_grad_bytes=[rng.choice([0, 0, 2, 5]) * scale for _ in range(n)],
     )
 
 
@@ -122,6 +123,7 @@ def wide_chain(rng: random.Random, n: int, *, skips: bool = False) -> Chain:
         carries=carries,
         grad_bytes=[rng.randrange(0, 1 << 20) for _ in range(n)] if skips else None,
         carry_grads=carries,
+        update_grad_bytes=None if skips else [rng.randrange(0, 1 << 21) for _ in range(n)],
     )
 
 
@@ -130,7 +132,8 @@ def chains(draw: hs.DrawFn, *, max_layers: int = 8, min_layers: int = 1) -> Chai
     """Hypothesis strategy: heterogeneous chains with small sizes and mixed costs.
 
     Up to four random carries (some larger than their producer's saved bytes),
-    random gradients for some of them, and random parameter gradients.
+    random gradients for some of them, and random parameter gradients (kept
+    and applied).
     """
     n = draw(hs.integers(min_layers, max_layers))
     outputs = draw(hs.lists(hs.integers(0, 20), min_size=n, max_size=n))
@@ -138,6 +141,7 @@ def chains(draw: hs.DrawFn, *, max_layers: int = 8, min_layers: int = 1) -> Chai
     workspace = draw(hs.lists(hs.sampled_from([0, 0, 0, 2, 7]), min_size=n, max_size=n))
     costs = draw(hs.lists(hs.sampled_from(COSTS), min_size=n, max_size=n))
     grads = draw(hs.lists(hs.sampled_from([0, 0, 1, 4, 15]), min_size=n, max_size=n))
+    updates = draw(hs.lists(hs.sampled_from([0, 0, 3, 9]), min_size=n, max_size=n))
     carries, carry_grads = [], []
     if n >= 2:
         for _ in range(draw(hs.integers(0, min(4, n)))):
@@ -164,4 +168,5 @@ def chains(draw: hs.DrawFn, *, max_layers: int = 8, min_layers: int = 1) -> Chai
         grad_bytes=grads,
         carry_grads=carry_grads,
         input_grad_bytes=input_grads,
+        update_grad_bytes=updates,
     )

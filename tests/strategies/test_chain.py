@@ -178,6 +178,17 @@ GOOD = dict(input_bytes=1, output_bytes=[2, 3], saved_bytes=[2, 5], forward_cost
         ),
         ({"grad_bytes": [1, 0.5]}, ValueError, r"grad_bytes\[1\] must be a finite whole number"),
         ({"grad_bytes": 3}, TypeError, r"^Chain: grad_bytes must be a sequence"),
+        (
+            {"update_grad_bytes": [1]},
+            ValueError,
+            r"^Chain: update_grad_bytes has 1 entries but the chain has 2",
+        ),
+        (
+            {"update_grad_bytes": [-1, 0]},
+            ValueError,
+            r"^Chain: update_grad_bytes\[0\] must not be negative",
+        ),
+        ({"update_grad_bytes": 3}, TypeError, r"^Chain: update_grad_bytes must be a sequence"),
     ],
 )
 def test_validation_errors(changes: dict[str, object], error: type[Exception], match: str) -> None:
@@ -294,6 +305,15 @@ def test_carry_grads_are_sorted_and_compared() -> None:
     # Gradients of (0, 2) at backward moments 1..2, of (1, 4) (a model output) at 2..3;
     # while a segment ending at e recomputes, those with producer + 1 < e <= consumer.
     assert chain.live_gradients() == ((0, 5, 8, 3), (0, 0, 5, 3, 3))
+
+
+def test_update_grad_bytes_default_to_zeros_and_are_compared() -> None:
+    chain = Chain(3, [4, 5, 6], [4, 5, 6], [1.0] * 3)
+    assert chain.update_grad_bytes == (0, 0, 0)
+    applied = Chain(3, [4, 5, 6], [4, 5, 6], [1.0] * 3, update_grad_bytes=[2, 0, 7])
+    assert applied.update_grad_bytes == (2, 0, 7) and applied != chain
+    # Applied gradients are not kept until the step's end: live_gradients leaves them out.
+    assert applied.live_gradients() == chain.live_gradients()
 
 
 def test_input_grad_bytes_default_to_the_inputs_and_are_compared() -> None:

@@ -156,6 +156,28 @@ def test_input_gradient_counts_only_what_the_layer_reads() -> None:
     assert [b - a for a, b in zip(recomputed, changed)] == [0, 0, 0, 0, 0, 0, -4, 0]
 
 
+def test_applied_gradients_live_for_the_lag_or_until_their_segment_ends_by_hand() -> None:
+    # Five 10-byte layers; layer i makes u_i applied gradient bytes, alive through
+    # the backward passes of the next UPDATE_LAG = 2 layers.
+    plain = Chain.homogeneous(5, activation_bytes=10)
+    chain = Chain(10, [10] * 5, [10] * 5, [1.0] * 5, update_grad_bytes=[1, 2, 4, 8, 16])
+    assert Chain.UPDATE_LAG == 2
+
+    def extra(segments: list[tuple[int, int]]) -> list[int]:
+        moments = zip(timeline(plain, segments), timeline(chain, segments))
+        return [b.live_bytes - a.live_bytes for a, b in moments]
+
+    # Stored: backward of layer j sees u_j + u_{j+1} + u_{j+2}; forward sees none.
+    assert extra([]) == [0] * 5 + [16, 8 + 16, 4 + 8 + 16, 2 + 4 + 8, 1 + 2 + 4]
+    # [0, 5): the segment holds its gradients until its backward ends, so layers
+    # 1 and 0 also see those of layers 4 and 3-4.
+    assert extra([(0, 5)]) == [0] * 10 + [16, 24, 28, 2 + 4 + 8 + 16, 1 + 2 + 4 + 8 + 16]
+    # [0, 2): as short as the lag, its backward is unchanged; its recompute runs
+    # while the gradients of layers 2 and 3 are alive.
+    assert extra([(0, 2)]) == [0] * 5 + [16, 24, 28] + [4 + 8] * 2 + [14, 7]
+    assert simulate(chain, [(0, 5)]) == Estimate(96, 5.0)
+
+
 def test_a_large_carry_sets_the_peak_in_a_forward_moment() -> None:
     # Chain D with a 40-byte carry (larger than anything its producer saves).
     chain = Chain(2, [4, 4, 4], [8, 8, 4], [1.0] * 3, carries=[(0, 2, 40)], grad_bytes=[1, 2, 3])

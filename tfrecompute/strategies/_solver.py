@@ -13,13 +13,15 @@ NOTE [ The element formula ]
     is held by the segment that makes it, or sits in a stored producer's
     `saved_bytes`), which is what makes a DP over positions exact:
 
-        stored i:   L = saved_i + a_{i+1} + g_i + ws_i + G_i
-        [s, e):     L = max_{s<=j<e} max(a_e + R_e + S(s..j) + ws_j,           (recompute)
-                                         S(s..j) + a_{j+1} + g_j + ws_j + G_j, (backward)
+        stored i:   L = saved_i + a_{i+1} + g_i + ws_i + G_i + U(i, i+1)
+        [s, e):     L = max_{s<=j<e} max(a_e + R_e + V_e + S(s..j) + ws_j,     (recompute)
+                                         S(s..j) + a_{j+1} + g_j + ws_j + G_j
+                                                 + U(j, e),                    (backward)
                                          C(s, j) + [j>s] a_j + a_{j+1} + ws_j) (forward)
 
-    with `S(s..j) = saved_s + ... + saved_j`, `g_j = input_grad_bytes[j]` and
-    the live gradients `G_k`, `R_e` of `Chain.live_gradients`. A stored
+    with `S(s..j) = saved_s + ... + saved_j`, `g_j = input_grad_bytes[j]`, the
+    live gradients `G_k`, `R_e` of `Chain.live_gradients` and the applied
+    gradients `U(j, e)`, `V_e` of `memory.py`. A stored
     layer's forward moment `saved_i + ws_i` is below its backward one. `G`
     and `R` only add to backward-phase moments, so they never break a
     domination. A segment's forward moment of
@@ -32,7 +34,13 @@ NOTE [ The element formula ]
 
     With prefix sums `Ss`, the recompute and backward terms are `g1[j] - Ss[s]`
     and `g2[j] - Ss[s]` for arrays `g1`, `g2` that do not depend on `s`, so a
-    whole row `L(s, s+1..n)` costs two running maxima. `C(s, .)` does depend on
+    whole row `L(s, s+1..n)` costs two running maxima. The backward term
+    depends on `e` through `U(j, e)`: for the last `lag + 1` layers of the
+    segment it is their own window `U(j, j+1)` (in `g2`), for earlier ones
+    `gU[j] + Us[e]` with prefix sums `Us` of the applied gradients, so the
+    backward row is a running maximum of `gU` shifted by `lag + 1`, plus `Us`,
+    against a sliding maximum of `g2` over `lag + 1` layers. It is still
+    nondecreasing in `e`. `C(s, .)` does depend on
     `s`: `Problem` keeps the row `C(s, x)` for all `x` and moves it from `s` to
     `s - 1` by adding each carry made by layer `s - 1` on `x in [s + 1, j]` (a
     slice add), so a pass over all positions costs `O(n + carries)` slice adds;
@@ -125,6 +133,9 @@ class Problem:
     g1: Array
     g2: Array
     aG: Array
+    gU: Array
+    Us: Array
+    lag: int
     Ss: Array
     P0: Array
     Cs: Array
@@ -182,9 +193,12 @@ class Problem:
         G = arr([*backward_grads, 0])
         gi = arr(list(chain.input_grad_bytes))
         Ss = np.concatenate([arr([0]), np.cumsum(sv)])
+        lag = chain.UPDATE_LAG
+        Us = np.concatenate([arr([0]), np.cumsum(arr(list(chain.update_grad_bytes)))])
+        window = Us[np.minimum(np.arange(1, n + 1) + lag, n)] - Us[:-1]  # U(j, j + 1)
         g1 = Ss[1:] + wk
-        g2 = Ss[1:] + a[1:] + gi + wk + G[:-1]
-        Lst = sv + a[1:] + gi + wk + G[:-1]
+        g2 = Ss[1:] + a[1:] + gi + wk + G[:-1] + window
+        Lst = sv + a[1:] + gi + wk + G[:-1] + window
         Cs = np.concatenate([arr([0]), np.cumsum(arr(weights))]) * fold
         big_cost = 2 * fold * (sum(weights) + 1) + 4
         # carries[carry_first[i]:] are those made by layers >= i (sorted by producer).
@@ -203,7 +217,10 @@ class Problem:
             Lst=Lst,
             g1=g1,
             g2=g2,
-            aG=a + arr(list(recompute_grads)),
+            aG=a + arr(list(recompute_grads)) + Us[np.minimum(np.arange(n + 1) + lag, n)] - Us,
+            gU=g2 - window - Us[:-1],
+            Us=Us,
+            lag=lag,
             Ss=Ss,
             P0=chain.input_bytes + np.concatenate([arr([0]), np.cumsum(arr(upper))]),
             Cs=Cs,
@@ -241,7 +258,14 @@ class Problem:
         `W` is the last `e` whose lower bound on `L(s, e)` (the backward terms,
         nondecreasing in `e`) fits `cap`.
         """
-        M2 = np.maximum.accumulate(self.g2[s:]) - self.Ss[s]
+        M2 = self.g2[s:].copy()  # layers j >= e - 1 - lag: their own window of updates
+        for shift in range(1, self.lag + 1):
+            np.maximum(M2[shift:], self.g2[s : self.n - shift], out=M2[shift:])
+        if self.n - s > self.lag + 1:  # layers j < e - 1 - lag: the segment holds U(j, e)
+            held = np.maximum.accumulate(self.gU[s : self.n - self.lag - 1])
+            held += self.Us[s + self.lag + 2 :]
+            np.maximum(M2[self.lag + 1 :], held, out=M2[self.lag + 1 :])
+        M2 -= self.Ss[s]
         width = int(np.searchsorted(M2, cap, side="right"))
         M1 = np.maximum.accumulate(self.g1[s : s + width]) - self.Ss[s]
         L = np.maximum(M2[:width], self.aG[s + 1 : s + 1 + width] + M1)

@@ -7,6 +7,7 @@ import math
 import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from tfrecompute.strategies._checks import (
     as_byte_count,
@@ -49,8 +50,16 @@ class Chain:
             is made inside the segment and used after it; a stored producer
             keeps it in its `saved_bytes` when a backward pass needs it.
         grad_bytes: bytes of the parameter gradients layer `i` produces in its
-            backward pass (default zeros); they stay alive until the end of the
-            step.
+            backward pass that stay alive until the end of the step (default
+            zeros): the optimizer needs all of them before it updates any
+            (global norm clipping, loss scaling, gradient accumulation).
+        update_grad_bytes: bytes of the parameter gradients layer `i` produces
+            in its backward pass that its optimizer update consumes as soon as
+            they exist (default zeros). They stay alive for the backward passes
+            of the next `Chain.UPDATE_LAG` layers (the update runs alongside them),
+            and, when layer `i` is recomputed, until its segment's backward
+            pass ends (the segment releases its gradients together); see
+            `tfrecompute.strategies.memory`.
         carry_grads: gradients of skip connections, sorted `(producer,
             last_consumer, bytes)` triples like `carries`: the backward pass of
             `last_consumer` makes a gradient of `bytes` for a tensor that layer
@@ -76,6 +85,9 @@ class Chain:
         (((0, 3, 8),), 8, 0)
     """
 
+    UPDATE_LAG: ClassVar[int] = 2
+    """Backward passes of later layers an applied parameter gradient outlives."""
+
     input_bytes: int
     output_bytes: tuple[int, ...]
     saved_bytes: tuple[int, ...]
@@ -88,6 +100,7 @@ class Chain:
     grad_bytes: tuple[int, ...]
     carry_grads: tuple[tuple[int, int, int], ...]
     input_grad_bytes: tuple[int, ...]
+    update_grad_bytes: tuple[int, ...]
 
     def __init__(
         self,
@@ -104,6 +117,7 @@ class Chain:
         grad_bytes: Iterable[int] | None = None,
         carry_grads: Iterable[Sequence[int]] = (),
         input_grad_bytes: Iterable[int] | None = None,
+        update_grad_bytes: Iterable[int] | None = None,
     ) -> None:
         """Validates and stores the costs; see the class docstring for the fields.
 
@@ -151,6 +165,11 @@ class Chain:
                 )
         layer_names = tuple(f"layer_{i}" for i in range(n)) if names is None else _names(names, n=n)
         grads = (0,) * n if grad_bytes is None else _byte_tuple("grad_bytes", grad_bytes, n=n)
+        updates = (
+            (0,) * n
+            if update_grad_bytes is None
+            else _byte_tuple("update_grad_bytes", update_grad_bytes, n=n)
+        )
         skips = _carries(carries, n=n)
         skip_grads = _carries(carry_grads, n=n, name="carry_grads")
         sizes = (inputs, *outputs[:-1])
@@ -180,6 +199,7 @@ class Chain:
         object.__setattr__(self, "grad_bytes", grads)
         object.__setattr__(self, "carry_grads", skip_grads)
         object.__setattr__(self, "input_grad_bytes", input_grads)
+        object.__setattr__(self, "update_grad_bytes", updates)
 
     @classmethod
     def homogeneous(cls, n: int, *, activation_bytes: int, cost: float = 1.0) -> Chain:

@@ -17,7 +17,8 @@ for `x_i`; `a_i` unless it reads only part of `x_i`), and
 `overhead_bytes` is added to every moment below. `H` is the memory held
 between layers; it starts at `a_0`.
 
-Three terms come from `carries`, `grad_bytes` and `carry_grads`:
+Four terms come from `carries`, `grad_bytes`, `carry_grads` and
+`update_grad_bytes`:
 
 * `C(s, e)` (`Chain.carried_bytes`): the sum of `bytes` over the carries
   `(i, j, bytes)` with `s <= i < e - 1` and `j >= e`, the skip tensors made
@@ -34,6 +35,14 @@ Three terms come from `carries`, `grad_bytes` and `carry_grads`:
   backward pass of layer `e`: the parameter gradients of layers `e..n-1` plus
   the `carry_grads` with `i + 1 < e <= j`. Both add to backward-phase moments
   only.
+* `U(j, e)`: the applied parameter gradients (`update_grad_bytes`, `u_i`)
+  alive at the backward pass of layer `j` of an element ending at `e`. The
+  gradient of layer `i` lives from its backward pass through those of the
+  next `lag = Chain.UPDATE_LAG` layers (its update runs alongside them), and a
+  segment holds those of its layers until its backward pass ends:
+  `U(j, e) = u_j + ... + u_{m-1}` with `m = min(n, max(e, j + lag + 1))` (for
+  a stored layer `e = j + 1`). While a segment ending at `e` runs forward
+  again, `V_e = u_e + ... + u_{min(n, e + lag) - 1}` are alive.
 
 Forward, elements in order (no gradients are live yet):
 
@@ -48,21 +57,23 @@ Forward, elements in order (no gradients are live yet):
 Backward, elements in reverse order; the gradient of the element's output,
 `a_{last + 1}` bytes, is live:
 
-* stored layer `i`: live = `H + a_{i+1} + g_i + ws_i + G_i` (gradients of the
-  output and of the input, and the parameter gradients of layers `i..n-1`);
-  then `H -= saved_i`.
+* stored layer `i`: live = `H + a_{i+1} + g_i + ws_i + G_i + U(i, i + 1)`
+  (gradients of the output and of the input, and the parameter gradients
+  alive); then `H -= saved_i`.
 * segment `[s, e)`: first `H -= a_e + C(s, e)` (the held outputs are dropped; the
   recompute makes fresh copies). Phase "recompute": layers `s..e-1` run
   forward again, each now stored, before any of them has produced gradients:
-  while layer `j` runs, live = `H + a_e + S(s..j) + ws_j + R_e`. Then their
-  backward, layer `j = e-1` down to `s`, as stored layers: live =
-  `H + S(s..j) + a_{j+1} + g_j + ws_j + G_j`, and `saved_j` is released after it.
+  while layer `j` runs, live = `H + a_e + S(s..j) + ws_j + R_e + V_e`. Then
+  their backward, layer `j = e-1` down to `s`, as stored layers that keep
+  their parameter gradients: live =
+  `H + S(s..j) + a_{j+1} + g_j + ws_j + G_j + U(j, e)`, and `saved_j` is
+  released after it.
 
 The step ends with the optimizer update, when `H = a_0` and all parameter
-gradients are live: `a_0 + R_0`. That moment is part of the model but is
-never above the backward moment of layer 0 (the same plus `saved_0`, the
-gradients of `x_1` and `x_0`, and `ws_0`), so it is folded into it: the timeline
-ends with the backward of layer 0.
+gradients kept for it are live: `a_0 + R_0 + V_0`. That moment is part of the
+model but is never above the backward moment of layer 0 (the same plus
+`saved_0`, the gradients of `x_1` and `x_0`, `ws_0` and `U(0, e) >= V_0`), so
+it is folded into it: the timeline ends with the backward of layer 0.
 
 The peak is the largest live value over every moment, forward and backward;
 all arithmetic is on exact ints. The recompute cost is the sum of
@@ -202,9 +213,16 @@ def _events(
     act = (chain.input_bytes, *out)  # act[i] is the size of x_i
     grad_in = chain.input_grad_bytes  # grad_in[i]: the gradient layer i makes for x_i
     grads, regrads = chain.live_gradients()  # G_k, R_e
-    elements = _elements(chain.n, segments)
+    n = chain.n
+    lag = chain.UPDATE_LAG
+    applied = [0, *itertools.accumulate(chain.update_grad_bytes)]  # prefix sums of u
+
+    def updates(j: int, e: int) -> int:  # U(j, e)
+        return applied[min(n, max(e, j + lag + 1))] - applied[j]
+
+    elements = _elements(n, segments)
     carried: dict[int, list[int]] = {}  # segment start -> [C(s, s), ..., C(s, e)]
-    none = [0] * (chain.n + 1)  # the carry profile of any segment when there are no carries
+    none = [0] * (n + 1)  # the carry profile of any segment when there are no carries
 
     held = act[0]
     for s, e, recomputed in elements:
@@ -220,16 +238,18 @@ def _events(
 
     for s, e, recomputed in reversed(elements):
         if not recomputed:
-            yield ("backward", s, base + held + act[s + 1] + grad_in[s] + work[s] + grads[s])
+            live = held + act[s + 1] + grad_in[s] + work[s] + grads[s] + updates(s, e)
+            yield ("backward", s, base + live)
             held -= saved[s]
             continue
         held -= act[e] + carried[s][e - s]
         again = 0
+        lagging = regrads[e] + applied[min(n, e + lag)] - applied[e]  # R_e + V_e
         for j in range(s, e):
             again += saved[j]
-            yield ("recompute", j, base + held + act[e] + again + work[j] + regrads[e])
+            yield ("recompute", j, base + held + act[e] + again + work[j] + lagging)
         for j in range(e - 1, s - 1, -1):
-            live = held + again + act[j + 1] + grad_in[j] + work[j] + grads[j]
+            live = held + again + act[j + 1] + grad_in[j] + work[j] + grads[j] + updates(j, e)
             yield ("backward", j, base + live)
             again -= saved[j]
 
