@@ -132,6 +132,14 @@ def test_budget_of_store_all_costs_nothing(seed: int, n: int) -> None:
         assert plan.peak_bytes == high and plan.proven_optimal
 
 
+def test_a_peak_made_of_applied_gradients_alone_is_planned() -> None:
+    # Nothing but applied parameter gradients: the solver's bound on any peak
+    # must count them too.
+    chain = Chain(0, [0, 0], [0, 0], [0.0, 0.0], update_grad_bytes=[0, 3])
+    assert min_peak(chain) == none(chain).peak_bytes == 3
+    assert optimal(chain, 3).peak_bytes == 3
+
+
 def test_infeasible_budget_message() -> None:
     chain = Chain.homogeneous(64, activation_bytes=128 * 1024)
     least = min_peak(chain)

@@ -160,6 +160,7 @@ class Problem:
             carried_out[i] += size
         upper = [max(kept, out) for kept, out in zip(saved, carried_out)]
         total = sum(act) + sum(saved) + sum(ws) + sum(carried_out) + max(backward_grads)
+        total += sum(chain.update_grad_bytes)
         bound = 2 * total + 1  # above any peak - overhead
         bytes_fit = (n + 2) * (4 * bound + 8) < _LIMIT
 
