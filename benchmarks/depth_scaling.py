@@ -19,7 +19,9 @@ TensorFlow's CPU allocator statistics record nothing; smoke: width 128, batch
   feasible peak is a budget a user might pick for "save most of the memory,
   but not at any price"; as `min_peak` grows like sqrt(L) on such a chain, so
   does this budget. At small L, where twice the least peak exceeds storing
-  everything, the cap makes `optimal` store everything too.
+  everything, the cap makes `optimal` store everything too. The budget is one
+  of predicted peaks, so it is planned with `headroom=0` (no share left for
+  the allocator's rounding, NOTE [ Budget headroom ]).
 
 Each plan's model (`tfrecompute.recompute(model, plan)`, or the original for a
 plan without segments) is compiled with SGD and MSE and measured with
@@ -151,6 +153,7 @@ def measure_depth(
             variant,
             budget=budget if variant == "optimal" else None,
             batch_size=batch_size,
+            headroom=0 if variant == "optimal" else None,
         )
         rewritten = tfrecompute.recompute(model, plan) if plan.segments else model
         rewritten.compile(optimizer="sgd", loss="mse")

@@ -20,7 +20,8 @@ def _run(model: str, measured: list[int], plans=("none", "sqrt"), requested=None
             "requested_error": (100 << 20) / r - 1,
             "allocator_overhead": [m / r - 1, 0.0],
             "trace_summary": f"peak of {model} {plan}",
-            "budget_bytes": None,
+            "budget_bytes": (160 << 20) if plan == "optimal" else None,
+            "headroom": 0.25 if plan == "optimal" else None,
         }
         for i, (plan, m, r) in enumerate(zip(plans, measured, requested))
     ]
@@ -60,6 +61,16 @@ def test_merge_runs_keeps_every_run_and_the_range():
     # The first run's trace of each sqrt plan, and no other.
     assert "unet:\n\n```\npeak of unet sqrt\n```" in table
     assert "peak of unet none" not in table
+
+
+def test_table_shows_optimal_plans_against_their_budget():
+    plans = ("none", "optimal")
+    runs = [
+        _run("resnet50", [200 << 20, 120 << 20], plans),
+        _run("resnet50", [200 << 20, 168 << 20], plans),
+    ]
+    table = prediction_accuracy._markdown([prediction_accuracy.merge_runs(runs)])
+    assert "| resnet50 | 160.0 | 25% | 62% | 75%, 105% |" in table
 
 
 @pytest.mark.parametrize(

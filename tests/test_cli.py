@@ -78,7 +78,7 @@ def test_plan_with_budget_on_functional_model(models, capsys):
             "--strategy",
             "optimal",
             "--budget",
-            "600KiB",
+            "800KiB",
         ]  # fmt: skip
     )
     out = capsys.readouterr().out
@@ -88,7 +88,35 @@ def test_plan_with_budget_on_functional_model(models, capsys):
     # a merged link (a Dense and the Add after it) is among the recomputed ones
     assert rows and any(re.search(r"block\d_b\+block\d_add", row) for row in rows)
     peak = int(out.split("Predicted peak: ")[1].split("(")[1].split()[0])
-    assert peak <= 600 * 1024
+    assert peak <= 600 * 1024  # 800 KiB less the default headroom of 25%
+
+
+def _predicted_peak(out: str) -> int:
+    return int(out.split("Predicted peak: ")[1].split("(")[1].split()[0])
+
+
+def test_headroom_sets_how_much_of_the_budget_is_planned(models, capsys):
+    argv = ["plan", models["residual"], "--batch-size", "1024", "--strategy", "optimal"]
+    peaks = {}
+    for headroom in ("0", "0.25", "0.3"):
+        assert main([*argv, "--budget", "800KiB", "--headroom", headroom]) == 0
+        peaks[headroom] = _predicted_peak(capsys.readouterr().out)
+        assert peaks[headroom] <= (1 - float(headroom)) * 800 * 1024
+    assert peaks["0"] > 600 * 1024 >= peaks["0.25"] >= peaks["0.3"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--headroom", "0.3"], "tfrecompute plan: --headroom only applies to a --budget"),
+        (["--budget", "1MiB", "--headroom", "1"], "tfrecompute plan: headroom must be in [0, 1)"),
+        (["--budget", "1MiB", "--headroom", "-0.1"], "headroom must be in [0, 1)"),
+        (["--budget", "1MiB", "--headroom", "a lot"], "--headroom must be a number"),
+    ],
+)
+def test_bad_headroom_is_a_usage_error(models, capsys, extra, message):
+    assert main(["plan", models["mlp"], "--batch-size", "8", *extra]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_profile_table(models, capsys):
@@ -168,12 +196,14 @@ def test_infeasible_budget_reports_minimum(models, capsys):
     argv = ["plan", models["mlp"], "--batch-size", "256", "--strategy", "optimal"]
     assert main([*argv, "--budget", "1KiB"]) == 1
     err = capsys.readouterr().err
-    assert "is below the least peak any plan reaches" in err
+    assert "the budget 1.00 KiB less 25% headroom for the allocator" in err
+    assert "the least predicted peak the strategy reaches is" in err
     assert "Received: budget='1KiB' (of type str)" in err
     assert "The minimum feasible budget is" in err and "KiB" in err
     minimum = err.split("pass --budget ")[1].split()[0]
     assert main([*argv, "--budget", minimum]) == 0  # the minimum it names is feasible
     assert "Plan 'optimal'" in capsys.readouterr().out
+    assert main([*argv, "--budget", str(int(minimum) - 1)]) == 1  # and the least one
 
 
 def test_unknown_strategy(models, capsys):

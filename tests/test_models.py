@@ -10,7 +10,7 @@ import tensorflow as tf
 import tfrecompute
 from tests import models_zoo
 from tests.helpers import MODES, assert_same_training, highest_requested_trace
-from tfrecompute import RecomputeBlock
+from tfrecompute import RecomputeBlock, strategies
 from tfrecompute.graph import LayerGraph
 
 
@@ -187,6 +187,55 @@ def test_unbuilt_model_is_rejected():
 def test_budget_needs_a_batch_size():
     with pytest.raises(ValueError, match=r"recompute: a memory budget needs the batch size"):
         tfrecompute.recompute(_mlp(depth=2), "optimal", budget="1MiB")
+
+
+def test_a_model_budget_leaves_headroom_for_the_allocator():
+    model = _mlp(depth=8, width=64)
+    chain = tfrecompute.profile(model, batch_size=64)
+    budget = (strategies.min_peak(chain) + strategies.simulate(chain, []).peak_bytes) // 2
+    default = tfrecompute.plan(model, "optimal", budget=budget, batch_size=64)
+    assert default.peak_bytes <= (1 - strategies.DEFAULT_HEADROOM) * budget
+    assert default == strategies.optimal(chain, budget=int(budget * 0.75))
+    none = tfrecompute.plan(model, "optimal", budget=budget, batch_size=64, headroom=0)
+    assert none == strategies.optimal(chain, budget=budget)
+    assert none.recompute_cost < default.recompute_cost  # the headroom is paid in recompute
+
+
+def test_infeasible_model_budget_names_the_least_budget_with_headroom():
+    model = _mlp(depth=4, width=64)
+    least = strategies.min_peak(tfrecompute.profile(model, batch_size=64))
+    with pytest.raises(
+        strategies.InfeasibleBudgetError, match=r"^recompute: the plan must fit"
+    ) as info:
+        tfrecompute.recompute(model, "optimal", budget=least, batch_size=64, headroom=0.5)
+    assert info.value.minimum == 2 * least and info.value.budget == least
+    tfrecompute.plan(model, "optimal", budget=2 * least, batch_size=64, headroom=0.5)
+    with pytest.raises(strategies.InfeasibleBudgetError):
+        tfrecompute.plan(model, "optimal", budget=2 * least - 1, batch_size=64, headroom=0.5)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"headroom": 0.2}, ValueError, r"^plan: headroom only applies to a budget"),
+        ({"budget": "1MiB", "headroom": 1.0}, ValueError, r"^plan: headroom must be in \[0, 1\)"),
+        ({"budget": "1MiB", "headroom": float("nan")}, ValueError, r"headroom must be in"),
+        ({"budget": "1MiB", "headroom": "0.2"}, TypeError, r"^plan: headroom must be a real"),
+        ({"budget": "1MiB", "headroom": True}, TypeError, r"headroom must be a real number"),
+    ],
+)
+def test_bad_headroom(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        tfrecompute.plan(_mlp(depth=2), "optimal", batch_size=8, **kwargs)
+
+
+def test_headroom_with_a_plan_is_rejected():
+    model = _mlp(depth=2)
+    plan = tfrecompute.plan(model, "sqrt")
+    with pytest.raises(
+        ValueError, match=r"^recompute: a Plan already fixes the segments, so a headroom"
+    ):
+        tfrecompute.recompute(model, plan, headroom=0.1)
 
 
 @pytest.mark.parametrize("batch_size", [0, -3, 2.5, True])

@@ -2,7 +2,9 @@
 
 Subcommands (each takes `--help`):
 
-* `plan MODEL.keras --batch-size N [--strategy NAME] [--budget 2GiB]`: the plan table.
+* `plan MODEL.keras --batch-size N [--strategy NAME] [--budget 2GiB [--headroom 0.25]]`:
+  the plan table. A budget is planned less its headroom for the allocator
+  (`tfrecompute.strategies.DEFAULT_HEADROOM` by default).
 * `profile MODEL.keras --batch-size N`: the per-link costs the planner sees.
 * `frontier MODEL.keras --batch-size N [--plot out.png] [--budget B]`: the
   memory/recompute-cost Pareto curve.
@@ -37,6 +39,7 @@ from typing import Any, TextIO
 
 from tfrecompute import strategies
 from tfrecompute.errors import InfeasibleBudgetError
+from tfrecompute.strategies.budget import _headroom as _check_headroom
 from tfrecompute.strategies.budget import _parse_budget
 
 __all__ = ["main"]
@@ -88,8 +91,11 @@ def _build_parser() -> argparse.ArgumentParser:
     def strategy_options(sub: argparse.ArgumentParser, default: str) -> None:
         names = ", ".join((*strategies.available(), "uniform:<k>"))
         sub.add_argument("--strategy", default=default, help=f"one of {names} (default: {default})")
+        sub.add_argument("--budget", help='the most memory per step, e.g. "2GiB" or "512MB"')
         sub.add_argument(
-            "--budget", help='the most activation memory per step, e.g. "2GiB" or "512MB"'
+            "--headroom",
+            help="the share of the budget left for the allocator's rounding "
+            f"(default {strategies.DEFAULT_HEADROOM:g}; 0 plans to the budget)",
         )
 
     plan = model_command("plan", "Print the recompute plan of a model.")
@@ -127,6 +133,29 @@ def _budget(command: str, text: str | None) -> int | None:
         return _parse_budget(text, api=f"tfrecompute {command}", name="--budget")
     except (TypeError, ValueError) as error:
         raise CliError(str(error), code=2) from None
+
+
+def _headroom(command: str, args: argparse.Namespace) -> float | None:
+    """`--headroom` as a float (None when not given); usage errors exit with 2."""
+    _budget(command, args.budget)
+    if args.headroom is None:
+        return None
+    api = f"tfrecompute {command}"
+    if args.budget is None:
+        raise CliError(
+            f"{api}: --headroom only applies to a --budget. Pass a --budget too.", code=2
+        )
+    try:
+        value = float(args.headroom)
+        _check_headroom(api, value)
+    except ValueError as error:
+        message = (
+            str(error)
+            if str(error).startswith(api)
+            else f"{api}: --headroom must be a number. Received: {args.headroom!r}."
+        )
+        raise CliError(message, code=2) from None
+    return value
 
 
 def _strategy(command: str, name: str) -> strategies.Strategy:
@@ -235,14 +264,18 @@ def _chain(command: str, args: argparse.Namespace, *, progress: bool = False) ->
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    _budget("plan", args.budget)  # fail fast, before loading the model
+    headroom = _headroom("plan", args)  # fail fast, before loading the model
     _strategy("plan", args.strategy)
     model = _load_model("plan", args.model)
     import tfrecompute
 
     with _library_errors():
         plan = tfrecompute.plan(
-            model, args.strategy, budget=args.budget, batch_size=args.batch_size
+            model,
+            args.strategy,
+            budget=args.budget,
+            batch_size=args.batch_size,
+            headroom=headroom,
         )
     print(f"Model {model.name!r} at batch size {args.batch_size}")
     print(plan.summary())
@@ -305,13 +338,14 @@ def _share(plan: strategies.Plan) -> float:
 
 def _chosen(command: str, chain: Any, args: argparse.Namespace) -> strategies.Plan:
     strategy = _strategy(command, args.strategy)
-    _budget(command, args.budget)
+    headroom = _headroom(command, args)
     with _library_errors():  # the user's budget text, so that errors quote it
-        return strategy(chain, budget=args.budget)
+        api = f"tfrecompute {command}"
+        return strategies.plan_within(api, strategy, chain, args.budget, headroom)
 
 
 def _cmd_frontier(args: argparse.Namespace) -> int:
-    _budget("frontier", args.budget)
+    _headroom("frontier", args)
     _strategy("frontier", args.strategy)
     pyplot_figure = _figure_class() if args.plot else None
     chain = _chain("frontier", args)
@@ -352,7 +386,7 @@ def _spread(points: list[strategies.Plan], most: int) -> list[strategies.Plan]:
 
 
 def _cmd_timeline(args: argparse.Namespace) -> int:
-    _budget("timeline", args.budget)
+    _headroom("timeline", args)
     _strategy("timeline", args.strategy)
     figure = _figure_class() if args.plot else None
     chain = _chain("timeline", args)

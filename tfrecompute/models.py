@@ -279,18 +279,24 @@ def profile(
 
 
 def _resolve_plan(
-    api: str, graph: LayerGraph, strategy: StrategyLike, budget: Any, batch_size: Any
+    api: str,
+    graph: LayerGraph,
+    strategy: StrategyLike,
+    budget: Any,
+    batch_size: Any,
+    headroom: Any,
 ) -> tuple[strategies.Plan, _ModelChain]:
     batch_size = _check_batch_size(
         api, batch_size, required_for="a memory budget" if budget is not None else None
     )
     if isinstance(strategy, strategies.Plan):
-        if budget is not None:
-            raise ValueError(
-                f"{api}: a Plan already fixes the segments, so a budget has no effect. "
-                f"Received: budget={budget!r} (of type {type(budget).__name__}). Pass either "
-                "a Plan or a strategy name with a budget."
-            )
+        for name, value in (("budget", budget), ("headroom", headroom)):
+            if value is not None:
+                raise ValueError(
+                    f"{api}: a Plan already fixes the segments, so a {name} has no effect. "
+                    f"Received: {name}={value!r} (of type {type(value).__name__}). Pass "
+                    "either a Plan or a strategy name with a budget."
+                )
     else:
         chosen = strategies.get(strategy)
     # Without a batch size the bytes are those of one sample: the proportions,
@@ -306,7 +312,7 @@ def _resolve_plan(
                 "tfrecompute.plan(model, ...) for this model."
             )
         return strategy, model_chain
-    return chosen(model_chain.chain, budget=budget), model_chain
+    return strategies.plan_within(api, chosen, model_chain.chain, budget, headroom), model_chain
 
 
 def plan(
@@ -315,6 +321,7 @@ def plan(
     *,
     budget: int | str | None = None,
     batch_size: int | None = None,
+    headroom: float | None = None,
 ) -> strategies.Plan:
     """Plans which layer calls of a model to recompute, without changing the model.
 
@@ -322,9 +329,14 @@ def plan(
         model: a built `keras.Sequential` or Functional model.
         strategy: a strategy name (see `tfrecompute.strategies.available()`), a
             strategy callable `(chain, budget=None) -> Plan`, or a `Plan`.
-        budget: the most activation memory the step may use, in bytes or as a
-            string like `"2GiB"`; needs `batch_size`.
+        budget: the most memory the step may use, as the allocator counts it
+            (`measure_step`), in bytes or as a string like `"2GiB"`; needs
+            `batch_size`.
         batch_size: the training batch size.
+        headroom: the share of `budget` left for the allocator's rounding of
+            chunks: the predicted peak stays under `budget * (1 - headroom)`
+            (default `strategies.DEFAULT_HEADROOM`, 0.25; 0 plans to the
+            budget itself). Only with a budget.
 
     Returns:
         The `Plan`; `plan.summary()` names the layers of each segment and gives
@@ -338,7 +350,7 @@ def plan(
     ```
     """
     chosen, _ = _resolve_plan(
-        "plan", LayerGraph.of(model, api="plan"), strategy, budget, batch_size
+        "plan", LayerGraph.of(model, api="plan"), strategy, budget, batch_size, headroom
     )
     return chosen
 
@@ -349,6 +361,7 @@ def recompute(
     *,
     budget: int | str | None = None,
     batch_size: int | None = None,
+    headroom: float | None = None,
 ) -> keras.Model:
     """Returns a checkpointed model: runs of layers grouped into `RecomputeBlock`s.
 
@@ -363,9 +376,14 @@ def recompute(
             models cannot be traced: wrap their parts in `RecomputeBlock`.
         strategy: a strategy name, a strategy callable, or a `Plan` made by
             `tfrecompute.plan` for this model.
-        budget: the most activation memory the step may use (bytes or a
-            string like `"2GiB"`); needs `batch_size`.
+        budget: the most memory the step may use, as the allocator counts it
+            (`measure_step`), in bytes or as a string like `"2GiB"`; needs
+            `batch_size`.
         batch_size: the training batch size.
+        headroom: the share of `budget` left for the allocator's rounding of
+            chunks: the predicted peak stays under `budget * (1 - headroom)`
+            (default `strategies.DEFAULT_HEADROOM`, 0.25; 0 plans to the
+            budget itself). Only with a budget.
 
     Returns:
         A new `keras.Model` (a `keras.Sequential` for a Sequential model).
@@ -379,5 +397,5 @@ def recompute(
     ```
     """
     graph = LayerGraph.of(model, api="recompute")
-    chosen, model_chain = _resolve_plan("recompute", graph, strategy, budget, batch_size)
+    chosen, model_chain = _resolve_plan("recompute", graph, strategy, budget, batch_size, headroom)
     return graph.rewrite(model_chain.call_segments(chosen.segments))

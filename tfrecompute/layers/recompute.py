@@ -119,7 +119,8 @@ def recompute_grad(fn: Callable[..., Sequence[tf.Tensor]]) -> Callable[..., list
                 # updates ran after the gradient function (test_recompute_block
                 # test_variable_updates_in_the_same_step_do_not_reach_the_
                 # recompute). So they are released once every gradient of the
-                # block is computed; a segment holds them through its backward.
+                # block is computed; a segment holds them through its backward
+                # (the memory model counts that: `Chain.update_grad_bytes`).
                 with tf.control_dependencies(grads):
                     grads = grads[: len(inputs)] + [tf.identity(g) for g in grads[len(inputs) :]]
             return grads[: len(inputs)], grads[len(inputs) :]

@@ -8,6 +8,7 @@ anywhere and predicts a plan's peak memory before any GPU time is spent.
 * Strategies, plain callables `(chain, budget=None) -> Plan`: `none`,
   `uniform(k)`, `sqrt`, `heuristic`, `optimal`; by name with `get`.
 * `frontier`: the Pareto set of (peak, cost); `min_peak`: the least peak.
+* `plan_within`: plan under a model's budget, leaving headroom for the allocator.
 
 Example:
     >>> from tfrecompute import strategies as st
@@ -18,7 +19,7 @@ Example:
 """
 
 from tfrecompute.errors import InfeasibleBudgetError
-from tfrecompute.strategies.budget import format_bytes, parse_budget
+from tfrecompute.strategies.budget import DEFAULT_HEADROOM, format_bytes, parse_budget, plan_within
 from tfrecompute.strategies.chain import Chain
 from tfrecompute.strategies.memory import Estimate, MemoryEvent, simulate, timeline
 from tfrecompute.strategies.optimize import DEFAULT_MAX_WORK, frontier, min_peak, optimal
@@ -27,6 +28,7 @@ from tfrecompute.strategies.registry import available, get
 from tfrecompute.strategies.simple import heuristic, none, sqrt, uniform
 
 __all__ = [
+    "DEFAULT_HEADROOM",
     "DEFAULT_MAX_WORK",
     "Budget",
     "Chain",
@@ -44,6 +46,7 @@ __all__ = [
     "none",
     "optimal",
     "parse_budget",
+    "plan_within",
     "simulate",
     "sqrt",
     "timeline",

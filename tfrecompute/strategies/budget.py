@@ -17,11 +17,33 @@ from __future__ import annotations
 import math
 import numbers
 import re
+from collections.abc import Callable
 from fractions import Fraction
+from typing import TYPE_CHECKING, Any
 
-from tfrecompute.strategies._checks import fail
+from tfrecompute.errors import InfeasibleBudgetError
+from tfrecompute.strategies._checks import fail, received
 
-__all__ = ["format_bytes", "parse_budget"]
+if TYPE_CHECKING:
+    from tfrecompute.strategies.chain import Chain
+    from tfrecompute.strategies.plan import Plan
+
+__all__ = ["DEFAULT_HEADROOM", "format_bytes", "parse_budget", "plan_within"]
+
+DEFAULT_HEADROOM = 0.25
+"""Share of a model's budget the planner leaves for the allocator's rounding.
+
+NOTE [ Budget headroom ]
+The memory model predicts the bytes a step's tensors request. TensorFlow's
+BFC allocator serves each request from a free chunk of up to twice its size
+(NOTE [ Requested and allocated bytes ] in tfrecompute/tracing.py), so what
+the allocator holds, which is what runs out on a GPU, is more: +2% to +36%
+over the requested peak in benchmarks/results/prediction_accuracy.md, and
+different from step to step. A budget given for a model (`plan`,
+`recompute`, the CLI) is therefore planned as `budget * (1 - headroom)`;
+tests/test_models_real.py checks that the optimal plan's measured allocator
+peak then stays under the budget.
+"""
 
 _UNITS: dict[str, int] = {
     "": 1,
@@ -153,3 +175,74 @@ def format_bytes(n: int) -> str:
             break
         index += 1
     return f"{sign}{scaled:.2f} {_IEC[index]}"
+
+
+def plan_within(
+    api: str,
+    strategy: Callable[..., Plan],
+    chain: Chain,
+    budget: object,
+    headroom: object,
+) -> Plan:
+    """Plans `chain` with `strategy` under a model's budget, leaving `headroom` of it.
+
+    The strategy gets `floor(budget * (1 - headroom))` bytes (NOTE [ Budget
+    headroom ]). Without a budget it gets none, and `headroom` must be None.
+
+    Args:
+        api: the public function, for error messages.
+        strategy: `(chain, budget=None) -> Plan`.
+        chain: the chain to plan.
+        budget: None, bytes or a string like `"2GiB"`.
+        headroom: None for `DEFAULT_HEADROOM`, or a share in `[0, 1)`.
+
+    Returns:
+        The strategy's plan.
+
+    Raises:
+        TypeError: `budget` or `headroom` has the wrong type.
+        ValueError: `headroom` is outside `[0, 1)` or given without a budget.
+        InfeasibleBudgetError: the strategy cannot meet the reduced budget;
+            `minimum` is the least budget (headroom included) it meets.
+
+    Example:
+        >>> from tfrecompute.strategies import Chain, optimal
+        >>> chain = Chain.homogeneous(16, activation_bytes=100)
+        >>> plan_within("plan", optimal, chain, 1200, 0.25).peak_bytes  # planned in 900
+        900
+    """
+    if budget is None:
+        if headroom is not None:
+            fail(
+                api,
+                "headroom only applies to a budget",
+                "headroom",
+                headroom,
+                "Pass a budget too, or leave headroom=None",
+            )
+        return strategy(chain, budget=None)
+    total = _parse_budget(budget, api=api, name="budget")
+    share = _headroom(api, DEFAULT_HEADROOM if headroom is None else headroom)
+    planned = math.floor(total * (1 - share))
+    try:
+        return strategy(chain, budget=max(planned, 1))
+    except InfeasibleBudgetError as error:
+        least = math.ceil(error.minimum / (1 - share))
+        message = (
+            f"{api}: the plan must fit in {format_bytes(max(planned, 1))}, the budget "
+            f"{format_bytes(total)} less {float(share):.0%} headroom for the allocator, but "
+            f"the least predicted peak the strategy reaches is {format_bytes(error.minimum)}. "
+            f"{received('budget', budget)}, headroom={headroom!r}. Raise the "
+            f"budget to at least {least} bytes, lower the headroom, or reduce the batch size."
+        )
+        raise InfeasibleBudgetError(message, budget=total, minimum=least) from None
+
+
+def _headroom(api: str, value: Any) -> Fraction:
+    fix = "Pass a share of the budget in [0, 1), e.g. headroom=0.25 (0 plans to the budget)"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        fail(api, "headroom must be a real number", "headroom", value, fix, error=TypeError)
+    share = float(value)
+    if not math.isfinite(share) or not 0 <= share < 1:
+        fail(api, "headroom must be in [0, 1)", "headroom", value, fix)
+    return Fraction(share)
