@@ -182,6 +182,8 @@ def _profile_graph(
     output_bytes, saved_bytes, workspace_bytes, costs, link_names = [], [], [], [], []
     input_grads: list[int] = []
     previous_out: set[int] = set()  # ids of x_k: what the link before hands on
+    boundary = list(graph.model.inputs)  # x_k's tensors
+    copies: list[int] = []
     for first, stop in groups:
         live_in, live_out = graph.segment_io(first, stop)
         # NOTE [ A link that skips its chain input ]
@@ -191,6 +193,17 @@ def _profile_graph(
         # tensor's gradient is then a carry gradient, not this link's.
         reads = previous_out.intersection(live_in)
         input_grads.append(gradients([graph.tensors[key].tensor for key in reads]))
+        # NOTE [ The recompute's input copy ]
+        # A block's recompute reads its floating inputs plus a zero that
+        # depends on the incoming gradient (layers/recompute.py), so that
+        # TensorFlow cannot merge the recompute with the forward: a copy of
+        # them, which the first layer's backward can keep until it runs. The
+        # chain counts it as a copy of the floating tensors of x_k for a
+        # segment starting at link k (`Chain.input_copy_bytes`);
+        # tests/test_models.py test_the_recompute_copies_its_input checks it
+        # against traced steps.
+        copies.append(sum(size(t) for t in boundary if keras.backend.is_float_dtype(t.dtype)))
+        boundary = [graph.tensors[key].tensor for key in live_out]
         previous_out = set(live_out)
         out = sum(size(graph.tensors[key].tensor) for key in live_out)
         saved = sum(memories[i].kept_bytes for i in range(first, stop))
@@ -237,6 +250,7 @@ def _profile_graph(
         carries=carries,
         carry_grads=carry_grads,
         input_grad_bytes=input_grads,
+        input_copy_bytes=copies,
         names=link_names,
     )
     return _ModelChain(graph, chain, tuple(groups))

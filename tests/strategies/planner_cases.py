@@ -100,6 +100,7 @@ def random_chain(rng: random.Random, n: int, *, scale: int = 1) -> Chain:
         carry_grads=random_carries(rng, n, [s * scale for s in (0, 2, 5, 12)]),
         input_grad_bytes=[rng.choice([a, a, a // 2, 0]) for a in activations],
         update_grad_bytes=[rng.choice([0, 0, 2, 5]) * scale for _ in range(n)],
+        input_copy_bytes=[rng.choice([a, 0]) for a in activations],
     )
 
 
@@ -114,8 +115,9 @@ def wide_chain(rng: random.Random, n: int, *, skips: bool = False) -> Chain:
     if skips:
         for i in range(0, n - 2, 3):
             carries.append((i, min(n, i + rng.randint(2, 4)), outputs[i]))
+    first = rng.randrange(1 << 16, 1 << 22)
     return Chain(
-        rng.randrange(1 << 16, 1 << 22),
+        first,
         outputs,
         [o + rng.randrange(0, 2 * o) for o in outputs],
         [rng.uniform(0.1, 10.0) for _ in range(n)],
@@ -124,6 +126,7 @@ def wide_chain(rng: random.Random, n: int, *, skips: bool = False) -> Chain:
         grad_bytes=[rng.randrange(0, 1 << 20) for _ in range(n)] if skips else None,
         carry_grads=carries,
         update_grad_bytes=None if skips else [rng.randrange(0, 1 << 21) for _ in range(n)],
+        input_copy_bytes=[first, *outputs[:-1]] if skips else None,
     )
 
 
@@ -157,6 +160,8 @@ def chains(draw: hs.DrawFn, *, max_layers: int = 8, min_layers: int = 1) -> Chai
     # carry's gradient) or nothing (integer inputs).
     shares = draw(hs.lists(hs.sampled_from([1.0, 1.0, 0.5, 0.0]), min_size=n, max_size=n))
     input_grads = [int(a * share) for a, share in zip([first, *outputs[:-1]], shares)]
+    copied = draw(hs.lists(hs.booleans(), min_size=n, max_size=n))
+    copies = [a if c else 0 for a, c in zip([first, *outputs[:-1]], copied)]
     return Chain(
         first,
         outputs,
@@ -169,4 +174,5 @@ def chains(draw: hs.DrawFn, *, max_layers: int = 8, min_layers: int = 1) -> Chai
         carry_grads=carry_grads,
         input_grad_bytes=input_grads,
         update_grad_bytes=updates,
+        input_copy_bytes=copies,
     )

@@ -307,6 +307,19 @@ def test_carry_grads_are_sorted_and_compared() -> None:
     assert chain.live_gradients() == ((0, 5, 8, 3), (0, 0, 5, 3, 3))
 
 
+def test_input_copy_bytes_default_to_zeros_and_are_compared() -> None:
+    chain = Chain(3, [4, 5, 6], [4, 5, 6], [1.0] * 3)
+    assert chain.input_copy_bytes == (0, 0, 0)
+    copied = Chain(3, [4, 5, 6], [4, 5, 6], [1.0] * 3, input_copy_bytes=[3, 0, 5])
+    assert copied.input_copy_bytes == (3, 0, 5) and copied != chain
+    with pytest.raises(
+        ValueError, match=r"^Chain: input_copy_bytes\[1\] is larger than x_1, 4 bytes"
+    ):
+        Chain(3, [4, 5, 6], [4, 5, 6], [1.0] * 3, input_copy_bytes=[3, 5, 0])
+    with pytest.raises(ValueError, match=r"^Chain: input_copy_bytes has 2 entries"):
+        Chain(3, [4, 5, 6], [4, 5, 6], [1.0] * 3, input_copy_bytes=[3, 4])
+
+
 def test_update_grad_bytes_default_to_zeros_and_are_compared() -> None:
     chain = Chain(3, [4, 5, 6], [4, 5, 6], [1.0] * 3)
     assert chain.update_grad_bytes == (0, 0, 0)

@@ -178,6 +178,23 @@ def test_applied_gradients_live_for_the_lag_or_until_their_segment_ends_by_hand(
     assert simulate(chain, [(0, 5)]) == Estimate(96, 5.0)
 
 
+def test_the_input_copy_lives_through_a_segments_recompute_and_backward_by_hand() -> None:
+    # Five 10-byte layers; a segment starting at layer 1 recomputes from a
+    # 7-byte copy of x_1 (a segment starting at 0 copies nothing).
+    plain = Chain.homogeneous(5, activation_bytes=10)
+    chain = Chain(10, [10] * 5, [10] * 5, [1.0] * 5, input_copy_bytes=[0, 7, 0, 0, 0])
+
+    def extra(segments: list[tuple[int, int]]) -> list[int]:
+        moments = zip(timeline(plain, segments), timeline(chain, segments))
+        return [b.live_bytes - a.live_bytes for a, b in moments]
+
+    assert extra([]) == [0] * 10  # only a recompute copies
+    # [1, 4): forward 5, stored 4, then recompute 1..3 and backward 3..1, stored 0.
+    assert extra([(1, 4)]) == [0] * 6 + [7] * 6 + [0]
+    assert extra([(0, 2), (2, 5)]) == [0] * 15  # the copies of x_0 and x_2 are empty
+    assert simulate(chain, [(1, 4)]).peak_bytes == simulate(plain, [(1, 4)]).peak_bytes + 7
+
+
 def test_a_large_carry_sets_the_peak_in_a_forward_moment() -> None:
     # Chain D with a 40-byte carry (larger than anything its producer saves).
     chain = Chain(2, [4, 4, 4], [8, 8, 4], [1.0] * 3, carries=[(0, 2, 40)], grad_bytes=[1, 2, 3])

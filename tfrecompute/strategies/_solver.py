@@ -14,10 +14,10 @@ NOTE [ The element formula ]
     `saved_bytes`), which is what makes a DP over positions exact:
 
         stored i:   L = saved_i + a_{i+1} + g_i + ws_i + G_i + U(i, i+1)
-        [s, e):     L = max_{s<=j<e} max(a_e + R_e + V_e + S(s..j) + ws_j,     (recompute)
-                                         S(s..j) + a_{j+1} + g_j + ws_j + G_j
-                                                 + U(j, e),                    (backward)
-                                         C(s, j) + [j>s] a_j + a_{j+1} + ws_j) (forward)
+        [s, e):     L = max_{s<=j<e} max(K_s + a_e + R_e + V_e + S(s..j) + ws_j, (recompute)
+                                         K_s + S(s..j) + a_{j+1} + g_j + ws_j
+                                                 + G_j + U(j, e),                (backward)
+                                         C(s, j) + [j>s] a_j + a_{j+1} + ws_j)   (forward)
 
     with `S(s..j) = saved_s + ... + saved_j`, `g_j = input_grad_bytes[j]`, the
     live gradients `G_k`, `R_e` of `Chain.live_gradients` and the applied
@@ -33,7 +33,8 @@ NOTE [ The element formula ]
     backward moment, whatever the plan.
 
     With prefix sums `Ss`, the recompute and backward terms are `g1[j] - Ss[s]`
-    and `g2[j] - Ss[s]` for arrays `g1`, `g2` that do not depend on `s`, so a
+    and `g2[j] - Ss[s]` (plus `K_s`, the copy of the segment's input) for
+    arrays `g1`, `g2` that do not depend on `s`, so a
     whole row `L(s, s+1..n)` costs two running maxima. The backward term
     depends on `e` through `U(j, e)`: for the last `lag + 1` layers of the
     segment it is their own window `U(j, j+1)` (in `g2`), for earlier ones
@@ -133,6 +134,7 @@ class Problem:
     g1: Array
     g2: Array
     aG: Array
+    K: Array
     gU: Array
     Us: Array
     lag: int
@@ -160,7 +162,7 @@ class Problem:
             carried_out[i] += size
         upper = [max(kept, out) for kept, out in zip(saved, carried_out)]
         total = sum(act) + sum(saved) + sum(ws) + sum(carried_out) + max(backward_grads)
-        total += sum(chain.update_grad_bytes)
+        total += sum(chain.update_grad_bytes) + sum(chain.input_copy_bytes)
         bound = 2 * total + 1  # above any peak - overhead
         bytes_fit = (n + 2) * (4 * bound + 8) < _LIMIT
 
@@ -219,6 +221,7 @@ class Problem:
             g1=g1,
             g2=g2,
             aG=a + arr(list(recompute_grads)) + Us[np.minimum(np.arange(n + 1) + lag, n)] - Us,
+            K=arr(list(chain.input_copy_bytes)),
             gU=g2 - window - Us[:-1],
             Us=Us,
             lag=lag,
@@ -266,9 +269,9 @@ class Problem:
             held = np.maximum.accumulate(self.gU[s : self.n - self.lag - 1])
             held += self.Us[s + self.lag + 2 :]
             np.maximum(M2[self.lag + 1 :], held, out=M2[self.lag + 1 :])
-        M2 -= self.Ss[s]
+        M2 += self.K[s] - self.Ss[s]  # K_s: the copy of x_s the recompute reads
         width = int(np.searchsorted(M2, cap, side="right"))
-        M1 = np.maximum.accumulate(self.g1[s : s + width]) - self.Ss[s]
+        M1 = np.maximum.accumulate(self.g1[s : s + width]) + (self.K[s] - self.Ss[s])
         L = np.maximum(M2[:width], self.aG[s + 1 : s + 1 + width] + M1)
         held = self.a[s + 1 : s + 1 + width]
         if self.carries and width:

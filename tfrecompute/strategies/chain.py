@@ -73,6 +73,11 @@ class Chain:
             `x_i` that only a later layer reads is a carry: its gradient is in
             `carry_grads`), or when `x_i` is not differentiable (integer token
             ids); at most `activation_bytes(i)`.
+        input_copy_bytes: bytes of the copy of `x_i` that the recompute of a
+            segment starting at layer `i` reads (default zeros; at most
+            `activation_bytes(i)`), live through the segment's recompute and
+            backward. `RecomputeBlock` copies its floating inputs there (NOTE
+            [ The recompute's input copy ] in tfrecompute/models.py).
 
     Example:
         >>> chain = Chain(1024, [2048, 2048, 512], [4096, 2048, 512], [1.0, 2.0, 0.5])
@@ -101,6 +106,7 @@ class Chain:
     carry_grads: tuple[tuple[int, int, int], ...]
     input_grad_bytes: tuple[int, ...]
     update_grad_bytes: tuple[int, ...]
+    input_copy_bytes: tuple[int, ...]
 
     def __init__(
         self,
@@ -118,6 +124,7 @@ class Chain:
         carry_grads: Iterable[Sequence[int]] = (),
         input_grad_bytes: Iterable[int] | None = None,
         update_grad_bytes: Iterable[int] | None = None,
+        input_copy_bytes: Iterable[int] | None = None,
     ) -> None:
         """Validates and stores the costs; see the class docstring for the fields.
 
@@ -126,8 +133,8 @@ class Chain:
             ValueError: lengths disagree, the chain is empty, a value is negative,
                 NaN or infinite, a byte count is fractional, `saved_bytes[i] <
                 output_bytes[i]`, names repeat, a carry's layers are out of
-                range or skip no layer, or `input_grad_bytes[i]` exceeds the
-                size of `x_i`.
+                range or skip no layer, or `input_grad_bytes[i]` or
+                `input_copy_bytes[i]` exceeds the size of `x_i`.
         """
         inputs = as_byte_count(_API, "input_bytes", input_bytes)
         overhead = as_byte_count(_API, "overhead_bytes", overhead_bytes)
@@ -187,6 +194,19 @@ class Chain:
                         grad,
                         "Set input_grad_bytes[i] <= activation_bytes(i) for every layer",
                     )
+        copies = (0,) * n
+        if input_copy_bytes is not None:
+            copies = _byte_tuple("input_copy_bytes", input_copy_bytes, n=n)
+            for i, (copy, size) in enumerate(zip(copies, sizes)):
+                if copy > size:
+                    fail(
+                        _API,
+                        f"input_copy_bytes[{i}] is larger than x_{i}, {size} bytes; a copy "
+                        "of a layer's input is at most its size",
+                        f"input_copy_bytes[{i}]",
+                        copy,
+                        "Set input_copy_bytes[i] <= activation_bytes(i) for every layer",
+                    )
         object.__setattr__(self, "input_bytes", inputs)
         object.__setattr__(self, "output_bytes", outputs)
         object.__setattr__(self, "saved_bytes", saved)
@@ -200,6 +220,7 @@ class Chain:
         object.__setattr__(self, "carry_grads", skip_grads)
         object.__setattr__(self, "input_grad_bytes", input_grads)
         object.__setattr__(self, "update_grad_bytes", updates)
+        object.__setattr__(self, "input_copy_bytes", copies)
 
     @classmethod
     def homogeneous(cls, n: int, *, activation_bytes: int, cost: float = 1.0) -> Chain:

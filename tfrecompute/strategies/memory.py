@@ -61,12 +61,16 @@ Backward, elements in reverse order; the gradient of the element's output,
   (gradients of the output and of the input, and the parameter gradients
   alive); then `H -= saved_i`.
 * segment `[s, e)`: first `H -= a_e + C(s, e)` (the held outputs are dropped; the
-  recompute makes fresh copies). Phase "recompute": layers `s..e-1` run
-  forward again, each now stored, before any of them has produced gradients:
-  while layer `j` runs, live = `H + a_e + S(s..j) + ws_j + R_e + V_e`. Then
+  recompute makes fresh copies). The recompute may read a copy of its input,
+  `K_s = input_copy_bytes[s]` (tfrecompute makes one after the incoming
+  gradient, so that TensorFlow cannot merge the recompute with the forward;
+  the first layer's backward may still read it), live through the segment's
+  recompute and backward. Phase "recompute": layers `s..e-1` run forward
+  again, each now stored, before any of them has produced gradients: while
+  layer `j` runs, live = `H + K_s + a_e + S(s..j) + ws_j + R_e + V_e`. Then
   their backward, layer `j = e-1` down to `s`, as stored layers that keep
   their parameter gradients: live =
-  `H + S(s..j) + a_{j+1} + g_j + ws_j + G_j + U(j, e)`, and `saved_j` is
+  `H + K_s + S(s..j) + a_{j+1} + g_j + ws_j + G_j + U(j, e)`, and `saved_j` is
   released after it.
 
 The step ends with the optimizer update, when `H = a_0` and all parameter
@@ -212,6 +216,7 @@ def _events(
     base = chain.overhead_bytes
     act = (chain.input_bytes, *out)  # act[i] is the size of x_i
     grad_in = chain.input_grad_bytes  # grad_in[i]: the gradient layer i makes for x_i
+    copies = chain.input_copy_bytes
     grads, regrads = chain.live_gradients()  # G_k, R_e
     n = chain.n
     lag = chain.UPDATE_LAG
@@ -243,7 +248,7 @@ def _events(
             held -= saved[s]
             continue
         held -= act[e] + carried[s][e - s]
-        again = 0
+        again = copies[s]  # K_s: the copy of x_s the recompute reads
         lagging = regrads[e] + applied[min(n, e + lag)] - applied[e]  # R_e + V_e
         for j in range(s, e):
             again += saved[j]
