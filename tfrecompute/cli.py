@@ -2,7 +2,7 @@
 
 Subcommands (each takes `--help`):
 
-* `plan MODEL.keras --batch-size N [--strategy NAME] [--budget 2GiB [--headroom 0.25]]`:
+* `plan MODEL.keras --batch-size N [--strategy NAME] [--budget 2GiB [--headroom 0.3]]`:
   the plan table. A budget is planned less its headroom for the allocator
   (`tfrecompute.strategies.DEFAULT_HEADROOM` by default).
 * `profile MODEL.keras --batch-size N`: the per-link costs the planner sees.

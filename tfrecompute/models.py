@@ -349,7 +349,7 @@ def plan(
         batch_size: the training batch size.
         headroom: the share of `budget` left for the allocator's rounding of
             chunks: the predicted peak stays under `budget * (1 - headroom)`
-            (default `strategies.DEFAULT_HEADROOM`, 0.25; 0 plans to the
+            (default `strategies.DEFAULT_HEADROOM`, 0.3; 0 plans to the
             budget itself). Only with a budget.
 
     Returns:
@@ -396,7 +396,7 @@ def recompute(
         batch_size: the training batch size.
         headroom: the share of `budget` left for the allocator's rounding of
             chunks: the predicted peak stays under `budget * (1 - headroom)`
-            (default `strategies.DEFAULT_HEADROOM`, 0.25; 0 plans to the
+            (default `strategies.DEFAULT_HEADROOM`, 0.3; 0 plans to the
             budget itself). Only with a budget.
 
     Returns:

@@ -30,19 +30,21 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_HEADROOM", "format_bytes", "parse_budget", "plan_within"]
 
-DEFAULT_HEADROOM = 0.25
+DEFAULT_HEADROOM = 0.3
 """Share of a model's budget the planner leaves for the allocator's rounding.
 
 NOTE [ Budget headroom ]
 The memory model predicts the bytes a step's tensors request. TensorFlow's
 BFC allocator serves each request from a free chunk of up to twice its size
 (NOTE [ Requested and allocated bytes ] in tfrecompute/tracing.py), so what
-the allocator holds, which is what runs out on a GPU, is more: +2% to +36%
+the allocator holds, which is what runs out on a GPU, is more: up to +40%
 over the requested peak in benchmarks/results/prediction_accuracy.md, and
-different from step to step. A budget given for a model (`plan`,
-`recompute`, the CLI) is therefore planned as `budget * (1 - headroom)`;
-tests/test_models_real.py checks that the optimal plan's measured allocator
-peak then stays under the budget.
+different from step to step, while the requested peak itself can exceed the
+prediction by a few percent. A budget given for a model (`plan`,
+`recompute`, the CLI) is therefore planned as `budget * (1 - headroom)`:
+1 / 0.7 covers +43% over an exact prediction. tests/test_models_real.py
+checks that the optimal plan's measured allocator peak then stays under the
+budget.
 """
 
 _UNITS: dict[str, int] = {
@@ -239,7 +241,7 @@ def plan_within(
 
 
 def _headroom(api: str, value: Any) -> Fraction:
-    fix = "Pass a share of the budget in [0, 1), e.g. headroom=0.25 (0 plans to the budget)"
+    fix = "Pass a share of the budget in [0, 1), e.g. headroom=0.3 (0 plans to the budget)"
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         fail(api, "headroom must be a real number", "headroom", value, fix, error=TypeError)
     share = float(value)
