@@ -109,9 +109,12 @@ def test_headroom_sets_how_much_of_the_budget_is_planned(models, capsys):
     ("extra", "message"),
     [
         (["--headroom", "0.3"], "tfrecompute plan: --headroom only applies to a --budget"),
-        (["--budget", "1MiB", "--headroom", "1"], "tfrecompute plan: headroom must be in [0, 1)"),
-        (["--budget", "1MiB", "--headroom", "-0.1"], "headroom must be in [0, 1)"),
-        (["--budget", "1MiB", "--headroom", "a lot"], "--headroom must be a number"),
+        (
+            ["--budget", "1MiB", "--headroom", "1"],
+            "tfrecompute plan: --headroom must be a number in [0, 1). Received: --headroom='1'",
+        ),
+        (["--budget", "1MiB", "--headroom", "-0.1"], "Received: --headroom='-0.1'"),
+        (["--budget", "1MiB", "--headroom", "a lot"], "--headroom must be a number in [0, 1)"),
     ],
 )
 def test_bad_headroom_is_a_usage_error(models, capsys, extra, message):

@@ -6,9 +6,9 @@ Subcommands (each takes `--help`):
   the plan table. A budget is planned less its headroom for the allocator
   (`tfrecompute.strategies.DEFAULT_HEADROOM` by default).
 * `profile MODEL.keras --batch-size N`: the per-link costs the planner sees.
-* `frontier MODEL.keras --batch-size N [--plot out.png] [--budget B]`: the
-  memory/recompute-cost Pareto curve.
-* `timeline MODEL.keras --batch-size N [--plot out.png] [--strategy S] [--budget B]`:
+* `frontier MODEL.keras --batch-size N [--plot out.png] [--budget B [--headroom H]]`:
+  the memory/recompute-cost Pareto curve.
+* `timeline MODEL.keras --batch-size N [--plot out.png] [--strategy S] [--budget B [--headroom H]]`:
   predicted live memory over one training step, without and with the plan.
 * `demo [--depth D --width W --batch-size N]`: train an MLP with and without
   `RecomputeBlock` and print the measured step memory.
@@ -145,16 +145,16 @@ def _headroom(command: str, args: argparse.Namespace) -> float | None:
         raise CliError(
             f"{api}: --headroom only applies to a --budget. Pass a --budget too.", code=2
         )
+    fix = "Pass a share of the budget in [0, 1), e.g. --headroom 0.3 (0 plans to the budget)"
     try:
         value = float(args.headroom)
         _check_headroom(api, value)
-    except ValueError as error:
-        message = (
-            str(error)
-            if str(error).startswith(api)
-            else f"{api}: --headroom must be a number. Received: {args.headroom!r}."
-        )
-        raise CliError(message, code=2) from None
+    except ValueError:
+        raise CliError(
+            f"{api}: --headroom must be a number in [0, 1). Received: --headroom="
+            f"{args.headroom!r}. {fix}.",
+            code=2,
+        ) from None
     return value
 
 
@@ -375,7 +375,10 @@ def _cmd_frontier(args: argparse.Namespace) -> int:
 
 
 def _chosen_label(args: argparse.Namespace) -> str:
-    return args.strategy + (f" @ {args.budget}" if args.budget else "")
+    if not args.budget:
+        return str(args.strategy)
+    headroom = strategies.DEFAULT_HEADROOM if args.headroom is None else args.headroom
+    return f"{args.strategy} @ {args.budget} (headroom {headroom})"
 
 
 def _spread(points: list[strategies.Plan], most: int) -> list[strategies.Plan]:

@@ -199,7 +199,11 @@ def _profile_graph(
         # TensorFlow cannot merge the recompute with the forward: a copy of
         # them, which the first layer's backward can keep until it runs. The
         # chain counts it as a copy of the floating tensors of x_k for a
-        # segment starting at link k (`Chain.input_copy_bytes`);
+        # segment starting at link k (`Chain.input_copy_bytes`), an
+        # approximation: the block's inputs also hold the carries it reads
+        # (a long skip consumed inside), and not the tensors of x_k that only
+        # pass it by, and TensorFlow reuses the buffer in place when nothing
+        # else reads the input (a segment right after another);
         # tests/test_models.py test_the_recompute_copies_its_input checks it
         # against traced steps.
         copies.append(sum(size(t) for t in boundary if keras.backend.is_float_dtype(t.dtype)))

@@ -180,9 +180,9 @@ def test_applied_gradients_live_for_the_lag_or_until_their_segment_ends_by_hand(
 
 def test_the_input_copy_lives_through_a_segments_recompute_and_backward_by_hand() -> None:
     # Five 10-byte layers; a segment starting at layer 1 recomputes from a
-    # 7-byte copy of x_1 (a segment starting at 0 copies nothing).
+    # 7-byte copy of x_1, one starting at 2 from a 3-byte copy (at 0: none).
     plain = Chain.homogeneous(5, activation_bytes=10)
-    chain = Chain(10, [10] * 5, [10] * 5, [1.0] * 5, input_copy_bytes=[0, 7, 0, 0, 0])
+    chain = Chain(10, [10] * 5, [10] * 5, [1.0] * 5, input_copy_bytes=[0, 7, 3, 0, 0])
 
     def extra(segments: list[tuple[int, int]]) -> list[int]:
         moments = zip(timeline(plain, segments), timeline(chain, segments))
@@ -191,7 +191,9 @@ def test_the_input_copy_lives_through_a_segments_recompute_and_backward_by_hand(
     assert extra([]) == [0] * 10  # only a recompute copies
     # [1, 4): forward 5, stored 4, then recompute 1..3 and backward 3..1, stored 0.
     assert extra([(1, 4)]) == [0] * 6 + [7] * 6 + [0]
-    assert extra([(0, 2), (2, 5)]) == [0] * 15  # the copies of x_0 and x_2 are empty
+    # [0, 2), [2, 5): only the segment starting at 2 copies (3 bytes of x_2):
+    # forward 5, then [2, 5)'s recompute and backward, then [0, 2)'s.
+    assert extra([(0, 2), (2, 5)]) == [0] * 5 + [3] * 6 + [0] * 4
     assert simulate(chain, [(1, 4)]).peak_bytes == simulate(plain, [(1, 4)]).peak_bytes + 7
 
 
@@ -246,7 +248,9 @@ def test_simulate_is_the_max_of_timeline(chain: Chain, data: hs.DataObject) -> N
     # The step-end moment (input held, every parameter gradient live) is folded into
     # the backward of layer 0, which is never below it.
     assert events[-1][:2] == ("backward", 0)
+    lag = min(chain.n, Chain.UPDATE_LAG)
     end = chain.overhead_bytes + chain.input_bytes + sum(chain.grad_bytes)
+    end += sum(chain.update_grad_bytes[:lag])  # V_0: the applied gradients still alive
     assert events[-1].live_bytes >= end
 
 

@@ -22,15 +22,15 @@ NOTE [ The element formula ]
     with `S(s..j) = saved_s + ... + saved_j`, `g_j = input_grad_bytes[j]`, the
     live gradients `G_k`, `R_e` of `Chain.live_gradients` and the applied
     gradients `U(j, e)`, `V_e` of `memory.py`. A stored
-    layer's forward moment `saved_i + ws_i` is below its backward one. `G`
-    and `R` only add to backward-phase moments, so they never break a
-    domination. A segment's forward moment of
+    layer's forward moment `saved_i + ws_i` is below its backward one. `G`,
+    `R`, `U`, `V` and `K_s` only add to backward and recompute moments, so
+    they never break a domination. A segment's forward moment of
     layer `j` holds `C(s, j)`, the carries made by layers `s..j-2`; when every
     layer's outgoing carries fit in its `saved_bytes` (`Problem.forward_dominated`,
     true for realistic chains where a carried tensor is part of its producer's
     output), `C(s, j) <= S(s..j-2)` and the forward term is below the backward
-    one, so it is skipped. The step-end moment `a_0 + R_0` is below layer 0's
-    backward moment, whatever the plan.
+    one, so it is skipped. The step-end moment `a_0 + R_0 + V_0` is below
+    layer 0's backward moment, whatever the plan.
 
     With prefix sums `Ss`, the recompute and backward terms are `g1[j] - Ss[s]`
     and `g2[j] - Ss[s]` (plus `K_s`, the copy of the segment's input) for

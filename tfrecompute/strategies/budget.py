@@ -43,7 +43,8 @@ most under `sqrt` plans), different from step to step, while the requested
 peak itself can exceed the prediction by a few percent. A budget given for a
 model (`plan`, `recompute`, the CLI) is therefore planned as
 `budget * (1 - headroom)`: 1 / 0.7 covers +43% over an exact prediction, and
-the optimal plans of that benchmark measured 64% to 87% of their budget.
+the optimal plans of that benchmark measured 64% to 87% of their budget (it
+does not cover the worst rounding seen, +47% under a `sqrt` plan).
 tests/test_models_real.py checks that the optimal plan's measured allocator
 peak stays under the budget.
 """
@@ -204,7 +205,8 @@ def plan_within(
 
     Raises:
         TypeError: `budget` or `headroom` has the wrong type.
-        ValueError: `headroom` is outside `[0, 1)` or given without a budget.
+        ValueError: `budget` is not positive or malformed, or `headroom` is outside
+            `[0, 1)` or given without a budget.
         InfeasibleBudgetError: the strategy cannot meet the reduced budget;
             `minimum` is the least budget (headroom included) it meets.
 
@@ -233,7 +235,7 @@ def plan_within(
         least = math.ceil(error.minimum / (1 - share))
         message = (
             f"{api}: the plan must fit in {format_bytes(max(planned, 1))}, the budget "
-            f"{format_bytes(total)} less {float(share):.0%} headroom for the allocator, but "
+            f"{format_bytes(total)} less {float(share) * 100:.3g}% headroom for the allocator, but "
             f"the least predicted peak the strategy reaches is {format_bytes(error.minimum)}. "
             f"{received('budget', budget)}, headroom={headroom!r}. Raise the "
             f"budget to at least {least} bytes, lower the headroom, or reduce the batch size."
