@@ -268,6 +268,7 @@ def test_element_formula_matches_simulate(chain: Chain, data: hs.DataObject) -> 
         elements += [(i, i + 1, False) for i in range(position, s)] + [(s, e, True)]
         position = e
     elements += [(i, i + 1, False) for i in range(position, chain.n)]
+    moments = timeline(chain, segments)
     for s, e, recomputed in elements:
         if recomputed:
             width, row, holds = pb.row(s, pb.inf)
@@ -275,6 +276,9 @@ def test_element_formula_matches_simulate(chain: Chain, data: hs.DataObject) -> 
             assert kept == chain.activation_bytes(e) + chain.carried_bytes(s, e)
         else:
             local, kept = int(pb.Lst[s]), chain.saved_bytes[s]
+        # Each element's own moments, forward and backward, peak at `held + local`.
+        own = max(m.live_bytes for m in moments if s <= m.layer < e)
+        assert own - chain.overhead_bytes == held + local, (s, e, recomputed)
         peak = max(peak, held + local)
         held += kept
     assert chain.overhead_bytes + peak == simulate(chain, segments).peak_bytes
