@@ -183,30 +183,14 @@ class Chain:
         if input_grad_bytes is None:
             input_grads = sizes
         else:
-            input_grads = _byte_tuple("input_grad_bytes", input_grad_bytes, n=n)
-            for i, (grad, size) in enumerate(zip(input_grads, sizes)):
-                if grad > size:
-                    fail(
-                        _API,
-                        f"input_grad_bytes[{i}] is larger than x_{i}, {size} bytes; a "
-                        "layer's input gradient is at most the size of its input",
-                        f"input_grad_bytes[{i}]",
-                        grad,
-                        "Set input_grad_bytes[i] <= activation_bytes(i) for every layer",
-                    )
+            input_grads = _input_bounded(
+                "input_grad_bytes", input_grad_bytes, sizes, "a layer's input gradient"
+            )
         copies = (0,) * n
         if input_copy_bytes is not None:
-            copies = _byte_tuple("input_copy_bytes", input_copy_bytes, n=n)
-            for i, (copy, size) in enumerate(zip(copies, sizes)):
-                if copy > size:
-                    fail(
-                        _API,
-                        f"input_copy_bytes[{i}] is larger than x_{i}, {size} bytes; a copy "
-                        "of a layer's input is at most its size",
-                        f"input_copy_bytes[{i}]",
-                        copy,
-                        "Set input_copy_bytes[i] <= activation_bytes(i) for every layer",
-                    )
+            copies = _input_bounded(
+                "input_copy_bytes", input_copy_bytes, sizes, "a copy of a layer's input"
+            )
         object.__setattr__(self, "input_bytes", inputs)
         object.__setattr__(self, "output_bytes", outputs)
         object.__setattr__(self, "saved_bytes", saved)
@@ -323,6 +307,21 @@ def _byte_tuple(name: str, values: object, *, n: int | None = None) -> tuple[int
     items = as_sequence(_API, name, values)
     _check_length(name, items, n, values)
     return tuple(as_byte_count(_API, f"{name}[{i}]", item) for i, item in enumerate(items))
+
+
+def _input_bounded(name: str, values: object, sizes: tuple[int, ...], what: str) -> tuple[int, ...]:
+    """Per-layer bytes, each at most the size of that layer's input `x_i`."""
+    items = _byte_tuple(name, values, n=len(sizes))
+    for i, (value, size) in enumerate(zip(items, sizes)):
+        if value > size:
+            fail(
+                _API,
+                f"{name}[{i}] is larger than x_{i}, {size} bytes; {what} is at most its size",
+                f"{name}[{i}]",
+                value,
+                f"Set {name}[i] <= activation_bytes(i) for every layer",
+            )
+    return items
 
 
 def _cost_tuple(name: str, values: object, *, n: int) -> tuple[float, ...]:
