@@ -181,8 +181,7 @@ def _profile_graph(
     input_bytes = sum(size(t) for t in graph.model.inputs)
     output_bytes, saved_bytes, workspace_bytes, costs, link_names = [], [], [], [], []
     input_grads: list[int] = []
-    previous_out: set[int] = set()  # ids of x_k: what the link before hands on
-    boundary = list(graph.model.inputs)  # x_k's tensors
+    boundary = list(graph.model.inputs)  # x_k's tensors: what the link before hands on
     copies: list[int] = []
     for first, stop in groups:
         live_in, live_out = graph.segment_io(first, stop)
@@ -191,8 +190,8 @@ def _profile_graph(
         # reads. ResNet's projection shortcut reads the block's input, not the
         # main path's last output, which only the Add after it reads: that
         # tensor's gradient is then a carry gradient, not this link's.
-        reads = previous_out.intersection(live_in)
-        input_grads.append(gradients([graph.tensors[key].tensor for key in reads]))
+        reads = set(live_in)
+        input_grads.append(gradients([t for t in boundary if id(t) in reads]))
         # NOTE [ The recompute's input copy ]
         # A block's recompute reads its floating inputs plus a zero that
         # depends on the incoming gradient (layers/recompute.py), so that
@@ -208,7 +207,6 @@ def _profile_graph(
         # against traced steps.
         copies.append(sum(size(t) for t in boundary if keras.backend.is_float_dtype(t.dtype)))
         boundary = [graph.tensors[key].tensor for key in live_out]
-        previous_out = set(live_out)
         out = sum(size(graph.tensors[key].tensor) for key in live_out)
         saved = sum(memories[i].kept_bytes for i in range(first, stop))
         saved += sum(
