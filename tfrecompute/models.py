@@ -201,10 +201,8 @@ def _profile_graph(
         # segment starting at link k (`Chain.input_copy_bytes`), an
         # approximation: the block's inputs also hold the carries it reads
         # (a long skip consumed inside), and not the tensors of x_k that only
-        # pass it by, and TensorFlow reuses the buffer in place when nothing
-        # else reads the input (a segment right after another);
-        # tests/test_models.py test_the_recompute_copies_its_input checks it
-        # against traced steps.
+        # pass it by. tests/test_models.py test_the_recompute_copies_its_input
+        # checks it against traced steps.
         copies.append(sum(size(t) for t in boundary if keras.backend.is_float_dtype(t.dtype)))
         boundary = [graph.tensors[key].tensor for key in live_out]
         out = sum(size(graph.tensors[key].tensor) for key in live_out)
