@@ -127,11 +127,32 @@ def test_profile_table(models, capsys):
     captured = capsys.readouterr()
     assert code == 0
     header = captured.out.splitlines()[1].split()
-    assert header == ["#", "name", "output", "saved", "workspace", "forward", "FLOPs"]
-    rows = {line.split()[1]: line for line in captured.out.splitlines()[2:8]}
-    assert "block0_a" in rows and "32.00 KiB" in rows["block0_a"]  # 512 x 16 x float32
+    assert header == [
+        "#", "name", "output", "saved", "workspace", "grads", "input", "copy", "forward", "FLOPs"
+    ]  # fmt: skip
+    rows = {line.split()[1]: line.split() for line in captured.out.splitlines()[2:9]}
+    # output, saved, workspace, grads, input copy: (value, unit) pairs after "#" and the name.
+    cells = [" ".join(rows["block0_a"][k : k + 2]) for k in range(2, 12, 2)]
+    assert cells[0] == "32.00 KiB"  # 512 x 16 x float32
+    assert cells[3] == "1.06 KiB"  # kernel 16 x 16 and bias 16, float32
+    assert cells[4] == "32.00 KiB"  # the recompute's copy of the model input
+    assert " ".join(rows["out"][8:10]) == "136 B"  # kernel 16 x 2 and bias 2
+    assert "Weight gradients (grads): each updated during the backward of the next 2" in (
+        captured.out
+    )
     assert "Predicted peak without recompute:" in captured.out
     assert "profiled 10 layer calls" in captured.err
+
+
+def test_profile_says_when_the_optimizer_keeps_every_gradient(models, capsys, tmp_path):
+    model = keras.models.load_model(models["residual"])
+    model.compile(optimizer=keras.optimizers.SGD(global_clipnorm=1.0), loss="mse")
+    path = str(tmp_path / "clipped.keras")
+    model.save(path)
+    assert main(["profile", path, "--batch-size", "512"]) == 0
+    out = capsys.readouterr().out
+    assert "Weight gradients (grads): all kept until the step's end" in out
+    assert "each updated" not in out
 
 
 def test_frontier_plot(models, capsys, tmp_path):

@@ -312,17 +312,29 @@ def _cmd_profile(args: argparse.Namespace) -> int:
             fmt(chain.output_bytes[i]),
             fmt(chain.saved_bytes[i]),
             fmt(chain.workspace_bytes[i]),
+            fmt(chain.grad_bytes[i] + chain.update_grad_bytes[i]),
+            fmt(chain.input_copy_bytes[i]),
             _flops(chain.forward_cost[i]),
         )
         for i in range(chain.n)
     ]
-    header = ("#", "name", "output", "saved", "workspace", "forward FLOPs")
+    header = ("#", "name", "output", "saved", "workspace", "grads", "input copy", "forward FLOPs")
     print(f"Chain of {chain.n} links at batch size {args.batch_size}")
-    print(_table(header, rows, right={0, 2, 3, 4, 5}))
+    print(_table(header, rows, right={0, 2, 3, 4, 5, 6, 7}))
     print(
         f"Input {fmt(chain.input_bytes)}; saved in total {fmt(sum(chain.saved_bytes))}; "
         f"forward cost {_flops(chain.total_forward_cost)}FLOPs"
     )
+    if any(chain.grad_bytes):
+        print(
+            "Weight gradients (grads): all kept until the step's end (the optimizer needs "
+            "them together)"
+        )
+    elif any(chain.update_grad_bytes):
+        print(
+            f"Weight gradients (grads): each updated during the backward of the next "
+            f"{chain.UPDATE_LAG} links, or at the end of its segment's backward when recomputed"
+        )
     none = strategies.none(chain)
     print(
         f"Predicted peak without recompute: {fmt(none.peak_bytes)}; least peak with "
