@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import warnings
 
 import keras
 import numpy as np
@@ -116,14 +118,7 @@ def test_functional_multi_io_and_shared_layer():
         np.testing.assert_allclose(rewritten(x)[key], model(x)[key], atol=1e-6)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_functional_gradients_with_every_segment(mode):
-    model = _two_in_two_out()
-    graph = LayerGraph.of(model)
-    chain = tfrecompute.profile(model, batch_size=3)
-    plan = tfrecompute.strategies.Plan.from_segments(chain, [(0, len(graph))])
-    rewritten = tfrecompute.recompute(model, plan)
-
+def _train_two_in_two_out(model, rewritten, mode):
     def run(m):
         def fn(a, b, training=None):
             return m({"a": a, "b": b}, training=training)
@@ -140,17 +135,122 @@ def test_functional_gradients_with_every_segment(mode):
     )
 
 
-def test_nested_functional_model_as_a_layer():
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "where",
+    ["sqrt", "first call only", "second call only", "both in one block", "one in each block"],
+)
+def test_shared_layer_trains_like_the_original(mode, where):
+    """A layer called twice, with its calls in one block, in two, or one in a block."""
+    model = _two_in_two_out()
+    chain = tfrecompute.profile(model, batch_size=3)
+    # A layer's second call is named "<layer>#1" (names are unique per call).
+    second = next(i for i, name in enumerate(chain.names) if "#1" in name)
+    first = chain.names.index(chain.names[second].split("#")[0])
+    assert first < second - 1
+    segments = {
+        "sqrt": None,
+        "first call only": [(first - 1, first + 1)],
+        "second call only": [(second, second + 1)],
+        "both in one block": [(first, second + 1)],
+        "one in each block": [(first, first + 1), (second, second + 1)],
+    }[where]
+    plan = "sqrt" if segments is None else strategies.Plan.from_segments(chain, segments)
+    rewritten = tfrecompute.recompute(model, plan)
+    assert _blocks(rewritten)
+    _train_two_in_two_out(model, rewritten, mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_functional_gradients_with_every_segment(mode):
+    model = _two_in_two_out()
+    graph = LayerGraph.of(model)
+    chain = tfrecompute.profile(model, batch_size=3)
+    plan = tfrecompute.strategies.Plan.from_segments(chain, [(0, len(graph))])
+    _train_two_in_two_out(model, tfrecompute.recompute(model, plan), mode)
+
+
+def _nested():
     inner_in = keras.Input((8,))
-    inner = keras.Model(inner_in, keras.layers.Dense(8, activation="relu")(inner_in), name="inner")
+    hidden = keras.layers.Dense(8, activation="relu")(inner_in)
+    inner = keras.Model(inner_in, keras.layers.Dropout(0.3)(hidden), name="inner")
     x_in = keras.Input((8,))
     h = x_in
     for _ in range(4):
-        h = inner(keras.layers.Dense(8)(h))
-    model = keras.Model(x_in, h)
+        h = inner(keras.layers.Dense(8)(h))  # one nested model, called 4 times
+    return keras.Model(x_in, keras.layers.Dense(2)(h))
+
+
+def test_nested_functional_model_as_a_layer():
+    model = _nested()
     rewritten = tfrecompute.recompute(model, "sqrt")
+    assert _blocks(rewritten)
     x = _x((2, 8))
     np.testing.assert_allclose(rewritten(x), model(x), atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("segments", [None, [(1, 2)], [(0, 3), (5, 8)]])
+def test_nested_functional_model_trains_like_the_original(mode, segments):
+    """The nested model (with Dropout) is one link per call, inside blocks or not."""
+    model = _nested()
+    chain = tfrecompute.profile(model, batch_size=4)
+    assert [name.split("#")[0] for name in chain.names[1::2]] == ["inner"] * 4
+    plan = "sqrt" if segments is None else strategies.Plan.from_segments(chain, segments)
+    rewritten = tfrecompute.recompute(model, plan)
+    assert _blocks(rewritten)
+    _same_training(model, rewritten, [_x((4, 8))], mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_keras_ops_in_a_functional_model(mode):
+    """`keras.ops` functions on symbolic tensors are nodes too, without weights."""
+    inputs = keras.Input((8,))
+    h = inputs
+    for _ in range(4):
+        z = keras.layers.Dense(8)(h)
+        h = keras.ops.add(h, keras.ops.tanh(z))  # a residual written with keras.ops
+        h = keras.layers.Dropout(0.2)(h)
+    model = keras.Model(inputs, keras.ops.mean(keras.layers.Dense(3)(h), axis=-1, keepdims=True))
+    assert sum(name.startswith(("add", "tanh")) for name in LayerGraph.of(model).names) == 8
+    chain = tfrecompute.profile(model, batch_size=4)
+    assert sum(chain.update_grad_bytes) == sum(
+        math.prod(v.shape) * 4 for v in model.trainable_variables
+    )
+    rewritten = tfrecompute.recompute(model, "sqrt")
+    assert _blocks(rewritten)
+    _same_training(model, rewritten, [_x((4, 8))], mode)
+
+
+def _masked_sequence_model():
+    tokens = keras.Input((6,), dtype="int32")
+    h = keras.layers.Embedding(20, 8, mask_zero=True)(tokens)  # id 0 is padding
+    h = keras.layers.Dense(8, activation="tanh")(h)  # passes the mask on
+    h = keras.layers.LSTM(8, return_sequences=True)(h)  # reads the mask
+    h = keras.layers.Dense(8, activation="tanh")(h)
+    h = keras.layers.MultiHeadAttention(2, 4)(h, h)  # masks its query and value
+    h = keras.layers.LSTM(8)(h)
+    return keras.Model(tokens, keras.layers.Dense(3)(h))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("segments", [None, [(1, 3)], [(2, 6)]])
+def test_keras_masks_cross_the_rewrite(mode, segments):
+    """Padding masks reach the layers inside blocks and after them."""
+    model = _masked_sequence_model()
+    chain = tfrecompute.profile(model, batch_size=3)
+    plan = "sqrt" if segments is None else strategies.Plan.from_segments(chain, segments)
+    rewritten = tfrecompute.recompute(model, plan)
+    assert _blocks(rewritten)
+    tokens = tf.constant([[3, 5, 7, 0, 0, 0], [1, 2, 3, 4, 5, 6], [9, 0, 0, 0, 0, 0]])
+    # The mask matters: the same tokens with other padding ids give other outputs.
+    unmasked = model(tf.where(tokens == 0, 11, tokens))
+    assert not np.allclose(model(tokens), unmasked, atol=1e-4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _same_training(model, rewritten, [tokens], mode)
+    # Keras's "will destroy the mask" warning is wrong for the blocks' sub-models.
+    assert not [w for w in caught if "mask attached" in str(w.message)]
 
 
 def test_long_skips_go_around_blocks():

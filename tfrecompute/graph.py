@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from tfrecompute.layers import RecomputeBlock
 
-__all__ = ["LayerGraph", "TensorInfo", "tensor_bytes"]
+__all__ = ["LayerGraph", "TensorInfo", "tensor_bytes", "trainable_variables"]
 
 
 def _is_subclassed(model: keras.Model) -> bool:
@@ -42,6 +42,16 @@ def tensor_bytes(shape: Sequence[int | None], dtype: Any, batch_size: int) -> in
             dim = batch_size
         size *= dim
     return int(size)
+
+
+def trainable_variables(operation: Any) -> list[Any]:
+    """The trainable variables of a call's operation: none for a plain op.
+
+    A Functional model's nodes are layers or plain Keras operations: the
+    `keras.ops` functions applied to symbolic tensors (`keras.ops.add(x, y)`,
+    or the `not_equal` that computes an Embedding's padding mask).
+    """
+    return list(getattr(operation, "trainable_variables", ()))
 
 
 @dataclasses.dataclass
@@ -70,7 +80,7 @@ class TensorInfo:
 
 @dataclasses.dataclass
 class _Call:
-    layer: keras.layers.Layer
+    layer: keras.layers.Layer | keras.Operation  # a plain op for `keras.ops` calls
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     inputs: list[int]  # ids of the KerasTensors it consumes, in argument order

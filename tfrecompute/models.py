@@ -10,7 +10,7 @@ from typing import Any
 import keras
 
 from tfrecompute import strategies
-from tfrecompute.graph import LayerGraph, tensor_bytes
+from tfrecompute.graph import LayerGraph, tensor_bytes, trainable_variables
 from tfrecompute.profiling import CallMemory, call_memory
 
 __all__ = ["plan", "profile", "recompute"]
@@ -56,7 +56,7 @@ def _estimated_flops(layer: keras.layers.Layer, outputs: list[Any], batch_size: 
     weights (or a lookup like Embedding) about one operation per output element.
     """
     elements = sum(math.prod(batch_size if d is None else d for d in o.shape) for o in outputs)
-    weights = sum(math.prod(v.shape) for v in layer.trainable_variables)
+    weights = sum(math.prod(v.shape) for v in trainable_variables(layer))
     if not weights or isinstance(layer, keras.layers.Embedding) or not outputs:
         return float(max(elements, 1))
     channels = outputs[0].shape[-1] or 1
@@ -139,7 +139,7 @@ def _profile_graph(
     grads = [0] * n
     last_call: dict[int, tuple[int, Any]] = {}
     for index, call in enumerate(graph.calls):
-        for variable in call.layer.trainable_variables:
+        for variable in trainable_variables(call.layer):
             last_call[id(variable)] = (index, variable)
     for index, variable in last_call.values():
         grads[link_of[index]] += tensor_bytes(variable.shape, variable.dtype, 1)
@@ -152,7 +152,7 @@ def _profile_graph(
     # padding or rescaling of them, not integer ids.
     differentiable: set[int] = set()
     for call, args in zip(graph.calls, call_args):
-        if call.layer.trainable_variables or any(id(t) in differentiable for t in args):
+        if trainable_variables(call.layer) or any(id(t) in differentiable for t in args):
             differentiable.update(
                 id(t) for t in call.outputs if keras.backend.is_float_dtype(t.dtype)
             )

@@ -11,6 +11,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from tfrecompute.graph import trainable_variables
+
 __all__ = ["StepMeasurement", "default_device", "measure_step", "prepare_step"]
 
 
@@ -251,7 +253,7 @@ def call_memory(
             return mapping[id(value)] if isinstance(value, keras.KerasTensor) else value
 
         call_kwargs = keras.tree.map_structure(substitute, kwargs)
-        if layer._call_has_training_arg:
+        if getattr(layer, "_call_has_training_arg", False):  # a plain op has none
             call_kwargs["training"] = True
         with tf.GradientTape() as tape:
             for value in inputs:
@@ -263,7 +265,7 @@ def call_memory(
         trace["inputs"] = [_buffer(v).ref() for v in inputs]
         trace["outputs"] = [_buffer(r).ref() for r in results]
         pairs = [(r, g) for r, g in zip(results, output_grads) if r.dtype.is_floating]
-        sources = [v for v in inputs if v.dtype.is_floating] + list(layer.trainable_variables)
+        sources = [v for v in inputs if v.dtype.is_floating] + trainable_variables(layer)
         if pairs and sources:
             tape.gradient([r for r, _ in pairs], sources, output_gradients=[g for _, g in pairs])
 

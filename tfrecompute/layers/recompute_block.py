@@ -89,6 +89,25 @@ def _call_context(entry_layer: keras.layers.Layer, training: Any) -> Iterator[No
         global_state.set_global_attribute("current_call_ctx", previous)
 
 
+@contextlib.contextmanager
+def _masks_kept_inside(layer: keras.layers.Layer) -> Iterator[None]:
+    """Silences Keras's "will destroy the mask" warning for a Functional model.
+
+    Keras warns when a masked tensor reaches a layer without
+    `supports_masking`, which a Functional model never has. But when it runs,
+    a Functional model hands its input masks to its own layers, and their
+    output masks stay on its outputs (which the block attaches to its own):
+    nothing is lost, unwrapped or in a block. `recompute()` puts every segment
+    in such a model, so without this every masked model warned.
+    """
+    if not hasattr(layer, "_nodes_by_depth"):  # not a Functional model
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*was passed an input with a mask attached")
+        yield
+
+
 def _check_layers(layers: Any) -> list[keras.layers.Layer]:
     """Validates the `layers` argument of `RecomputeBlock`; returns them as a list."""
     if isinstance(layers, keras.layers.Layer):
@@ -289,12 +308,14 @@ class RecomputeBlock(keras.layers.Layer):
             call_kwargs["mask"] = mask
         if training is not None and first._call_has_training_arg:
             call_kwargs["training"] = training
-        outputs = first(inputs, *args, **call_kwargs)
+        with _masks_kept_inside(first):
+            outputs = first(inputs, *args, **call_kwargs)
         for layer in self.inner[1:]:
-            if training is not None and layer._call_has_training_arg:
-                outputs = layer(outputs, training=training)
-            else:
-                outputs = layer(outputs)
+            with _masks_kept_inside(layer):
+                if training is not None and layer._call_has_training_arg:
+                    outputs = layer(outputs, training=training)
+                else:
+                    outputs = layer(outputs)
         return outputs
 
     def call(
