@@ -66,6 +66,9 @@ def test_plan_prints_segments_and_peak(models, capsys):
     assert "hidden_0 … hidden_2 (3 layers)  recomputed" in out
     assert "Predicted peak:" in out and "KiB" in out
     assert "Recompute cost:" in out and "% of one forward pass" in out
+    assert main(["plan", models["mlp"], "--batch-size", "256", "--strategy", "uniform:3",
+                 "--all-names"]) == 0  # fmt: skip
+    assert "hidden_0, hidden_1, hidden_2  recomputed" in capsys.readouterr().out
 
 
 def test_plan_with_budget_on_functional_model(models, capsys):

@@ -196,6 +196,12 @@ class _Subclassed(keras.Model):
         return self.dense(x)
 
 
+def _variable_length():
+    inputs = keras.Input((None, 8))  # an unknown sequence length
+    h = keras.layers.Dense(8)(inputs)
+    return keras.Model(inputs, keras.layers.Dense(2)(h), name="variable_length")
+
+
 def _built_subclassed():
     model = _Subclassed()
     model(tf.ones((1, 2)))
@@ -212,6 +218,13 @@ MODEL_CASES = {
         lambda: tfrecompute.recompute(_built_subclassed()),
         TypeError,
         r"recompute: a subclassed model cannot be traced.*RecomputeBlock",
+    ),
+    "recompute_variable_length": (
+        lambda: tfrecompute.recompute(_variable_length(), "sqrt"),
+        ValueError,
+        r"recompute: every dimension but the batch must be known.*a tensor from a model input "
+        r"has shape \(None, None, 8\)\. Received: model='variable_length'.*"
+        r"keras\.Input\(shape=\(128, 64\)\)",
     ),
     "plan_unbuilt": (
         lambda: tfrecompute.plan(keras.Sequential([keras.layers.Dense(2)])),

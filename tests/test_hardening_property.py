@@ -4,7 +4,9 @@ Hypothesis draws a Sequential or Functional model (widths 1 to 8, 1 to 6
 units of Dense, Dropout, BatchNormalization and, in Functional models,
 residual adds), then a random grouping of its units into RecomputeBlocks
 (sometimes nested), and checks outputs, gradients and state updates against
-the same layers unwrapped, eagerly or under `tf.function`.
+the same layers unwrapped, eagerly or under `tf.function`. A second property
+rewrites the plain model with `tfrecompute.recompute` under random segments
+of its chain and checks the same.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import tfrecompute
 from tests.helpers import assert_same_training, normal
-from tfrecompute import RecomputeBlock
+from tfrecompute import RecomputeBlock, strategies
 
 ACTIVATIONS = [None, "relu", "tanh", "sigmoid"]
 
@@ -138,6 +141,35 @@ def test_random_models_with_random_blocks_match_the_original(spec, mode, seed):
     plain, blocked = build(_make_units(unit_list, width), grouping, width)
     assert_same_training(
         blocked,
+        plain,
+        [normal((6, width), seed=seed)],
+        plain.trainable_variables,
+        plain.non_trainable_variables,
+        mode,
+        atol=1e-5,
+    )
+
+
+@settings(
+    max_examples=15,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(model_specs(), st.sampled_from(["eager", "function"]), st.integers(0, 2**16), st.data())
+def test_random_models_rewritten_by_recompute_match_the_original(spec, mode, seed, data):
+    functional, width, unit_list, grouping = spec
+    build = _functional if functional else _sequential
+    plain, _ = build(_make_units(unit_list, width), grouping, width)
+    chain = tfrecompute.profile(plain, batch_size=6)
+    cuts = sorted(data.draw(st.sets(st.integers(0, chain.n), min_size=2), label="cuts"))
+    pieces = list(zip(cuts, cuts[1:]))
+    segments = [p for p in pieces if data.draw(st.booleans(), label=f"recompute {p}")]
+    rewritten = tfrecompute.recompute(plain, strategies.Plan.from_segments(chain, segments))
+    blocks = [layer for layer in rewritten.layers if isinstance(layer, RecomputeBlock)]
+    assert len(blocks) == len(segments)
+    assert_same_training(
+        rewritten,
         plain,
         [normal((6, width), seed=seed)],
         plain.trainable_variables,

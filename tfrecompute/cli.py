@@ -3,7 +3,8 @@
 Subcommands (each takes `--help`):
 
 * `plan MODEL.keras --batch-size N [--strategy NAME] [--budget 2GiB [--headroom 0.3]]`:
-  the plan table. A budget is planned less its headroom for the allocator
+  the plan table (`--all-names` names every layer of each row). A budget is
+  planned less its headroom for the allocator
   (`tfrecompute.strategies.DEFAULT_HEADROOM` by default).
 * `profile MODEL.keras --batch-size N`: the per-link costs the planner sees.
 * `frontier MODEL.keras --batch-size N [--plot out.png] [--budget B [--headroom H]]`:
@@ -100,6 +101,11 @@ def _build_parser() -> argparse.ArgumentParser:
 
     plan = model_command("plan", "Print the recompute plan of a model.")
     strategy_options(plan, "sqrt")
+    plan.add_argument(
+        "--all-names",
+        action="store_true",
+        help="name every layer of each row (by default a row of three or more names two)",
+    )
 
     model_command("profile", "Print the per-link memory and compute costs of a model.")
 
@@ -278,7 +284,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             headroom=headroom,
         )
     print(f"Model {model.name!r} at batch size {args.batch_size}")
-    print(plan.summary())
+    print(plan.summary(all_names=args.all_names))
     return 0
 
 

@@ -143,6 +143,20 @@ class LayerGraph:
                 )
             )
         graph = cls(model, calls)
+        for info in graph.tensors.values():
+            if None in tuple(info.tensor.shape)[1:]:
+                made_by = (
+                    "a model input"
+                    if info.producer < 0
+                    else f"layer {graph.names[info.producer]!r}"
+                )
+                raise ValueError(
+                    f"{api}: every dimension but the batch must be known, since activation "
+                    f"bytes come from shapes; a tensor from {made_by} has shape "
+                    f"{tuple(info.tensor.shape)}. Received: model={model.name!r} (of type "
+                    f"{type(model).__name__}). Give the model's inputs the fixed shape you train "
+                    "at, e.g. keras.Input(shape=(128, 64)) instead of (None, 64)."
+                )
         if isinstance(model, keras.Sequential):
             # The Sequential's own Input tensors stand for its functional ones.
             graph.tensors.update(

@@ -234,11 +234,7 @@ def _profile_graph(
                 for i in range(first, stop)
             )
         )
-        link_names.append(
-            "+".join(names[first:stop])
-            if stop - first <= 3
-            else f"{names[first]}+…+{names[stop - 1]}"
-        )
+        link_names.append("+".join(names[first:stop]))
     chain = strategies.Chain(
         input_bytes,
         output_bytes,
@@ -264,12 +260,16 @@ def profile(
 ) -> strategies.Chain:
     """The cost chain of a Sequential or Functional model at a batch size.
 
-    Each layer call of the model, in topological order, is one link of the
-    chain: the bytes of its outputs (from their shapes and the compute dtype,
-    so they halve under a float16 or bfloat16 policy), the bytes it keeps alive
-    for its backward (read from the call's traced gradient graph: what
-    TensorFlow really keeps, e.g. a Dropout's boolean mask, a GELU's
-    intermediates), and its forward cost in estimated FLOPs.
+    The model's layer calls (and `keras.ops` calls, which have no weights),
+    in topological order, make the links of the chain: one call per link,
+    except that a call whose outputs no backward pass reads joins the link of
+    the call after it (BatchNormalization feeding a ReLU); a link's name joins
+    its calls' names with "+". Per link: the bytes of its outputs (from their
+    shapes and the compute dtype, so they halve under a float16 or bfloat16
+    policy), the bytes it keeps alive for its backward (read from the calls'
+    traced gradient graphs: what TensorFlow really keeps, e.g. a Dropout's
+    boolean mask, a GELU's intermediates), and its forward cost in estimated
+    FLOPs. Every dimension but the batch must be known.
 
     Args:
         model: a built `keras.Sequential` or Functional model.

@@ -45,6 +45,19 @@ def test_equality_ignores_the_chain_and_repr_omits_it() -> None:
         a.peak_bytes = 0  # type: ignore[misc]
 
 
+def test_summary_can_name_every_layer() -> None:
+    chain = _chain()
+    plan = Plan.from_segments(chain, [(0, 3), (6, 10)])
+    rows = plan.summary(all_names=True).splitlines()[2:5]
+    assert rows[0].split()[:4] == ["0-2", "dense_0,", "dense_1,", "dense_2"]
+    assert rows[1].split()[:4] == ["3-5", "dense_3,", "dense_4,", "dense_5"]
+    assert rows[2].split()[:5] == ["6-9", "dense_6,", "dense_7,", "dense_8,", "dense_9"]
+    # The rest of the table is the same.
+    assert plan.summary(all_names=True).splitlines()[5:] == plan.summary().splitlines()[5:]
+    with pytest.raises(TypeError, match=r"^Plan.summary: `all_names` must be True or False"):
+        plan.summary(all_names="yes")  # type: ignore[arg-type]
+
+
 def test_summary_rows_and_totals() -> None:
     chain = _chain()
     plan = Plan.from_segments(chain, [(0, 3), (3, 4), (6, 10)], strategy="optimal")

@@ -156,12 +156,16 @@ proven_optimal=False)
         """The memory over one training step; see `tfrecompute.strategies.timeline`."""
         return timeline(self.chain, self.segments)
 
-    def summary(self) -> str:
+    def summary(self, *, all_names: bool = False) -> str:
         """A readable table of the plan: one row per run of stored layers or segment.
 
         The "held" column is what a row keeps between its forward and its
         backward pass: the saved bytes of stored layers; a segment's output plus
         the carries it hands on (`Chain.carried_bytes`).
+
+        Args:
+            all_names: list the name of every layer of a row; by default a row
+                of three or more layers names its first and last.
 
         Returns:
             The table, then the predicted peak and the recompute overhead.
@@ -176,12 +180,19 @@ proven_optimal=False)
             3-5     layer_3 … layer_5 (3 layers)    stored      3.00 KiB  -
             Predicted peak: 7.00 KiB (7168 bytes)
             Recompute cost: 3 = 50.0% of one forward pass (total forward cost 6)
+            >>> print(plan.summary(all_names=True).splitlines()[2])
+            0-2     layer_0, layer_1, layer_2  recomputed  1.00 KiB  3
         """
+        if not isinstance(all_names, bool):
+            raise TypeError(
+                "Plan.summary: `all_names` must be True or False. Received: "
+                f"all_names={all_names!r} (of type {type(all_names).__name__})."
+            )
         chain = self.chain
         rows: list[tuple[str, str, str, str, str]] = []
         for s, e, recomputed in _runs(chain.n, self.segments):
             span = str(s) if e - s == 1 else f"{s}-{e - 1}"
-            names = _abbreviate(chain.names[s:e])
+            names = ", ".join(chain.names[s:e]) if all_names else _abbreviate(chain.names[s:e])
             if recomputed:  # its output and the carries it hands on
                 held = chain.output_bytes[e - 1] + chain.carried_bytes(s, e)
                 cost = _number(math.fsum(chain.forward_cost[s:e]))
