@@ -85,6 +85,25 @@ def test_rewrite_with_an_explicit_plan():
     ]
 
 
+def test_a_strategy_callable_plans_the_rewrite():
+    model = _mlp(depth=3, dropout=False)
+    seen = []
+
+    def first_two(chain, budget=None):
+        seen.append((chain.n, budget))
+        return strategies.Plan.from_segments(chain, [(0, 2)], strategy="first_two")
+
+    plan = tfrecompute.plan(model, first_two, budget="1MiB", batch_size=8, headroom=0)
+    assert plan.strategy == "first_two" and plan.segments == ((0, 2),)
+    assert seen == [(4, 2**20)]
+    rewritten = tfrecompute.recompute(model, first_two)
+    assert [type(layer).__name__ for layer in rewritten.layers] == [
+        "RecomputeBlock",
+        "Dense",
+        "Dense",
+    ]
+
+
 def test_none_strategy_recomputes_nothing():
     model = _mlp(depth=3)
     assert _blocks(tfrecompute.recompute(model, "none")) == []
