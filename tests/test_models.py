@@ -454,6 +454,28 @@ def test_profile_halves_bytes_under_a_16_bit_policy():
     assert chain.output_bytes[0] == 16 * 32 * 2
 
 
+def test_workspace_leaves_out_the_weight_gradients():
+    """A link's weight gradients are counted once, as gradients, not also as workspace.
+
+    Its workspace is what else its backward makes: attention's score
+    gradients, of shape (batch, heads, query, key), are neither a weight's
+    gradient nor shaped like the call's inputs or outputs.
+    """
+    tokens = keras.Input((16, 64))
+    h = keras.layers.Dense(512, name="wide")(tokens)  # 128 KiB of kernel gradient
+    h = keras.layers.Conv1D(64, 5, padding="same", name="conv")(h)  # 640 KiB
+    h = keras.layers.MultiHeadAttention(4, 16, name="attention")(h, h)
+    model = keras.Model(tokens, h)
+    chain = tfrecompute.profile(model, batch_size=8)
+    links = {name: i for i, name in enumerate(chain.names)}
+    wide, conv, attention = links["wide"], links["conv"], links["attention"]
+    assert chain.update_grad_bytes[wide] == (64 * 512 + 512) * 4
+    assert chain.update_grad_bytes[conv] == (5 * 512 * 64 + 64) * 4
+    assert chain.workspace_bytes[wide] < 64 * 512 * 4
+    assert chain.workspace_bytes[conv] < 5 * 512 * 64 * 4
+    assert chain.workspace_bytes[attention] >= 8 * 4 * 16 * 16 * 4  # the scores' gradient
+
+
 @pytest.mark.parametrize("clipnorm", [None, 1.0])
 def test_parameter_gradients_follow_the_optimizer(clipnorm):
     """NOTE [ Parameter gradients ] in models.py: 8 Dense(2048), 128 MiB of weights.

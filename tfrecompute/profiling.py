@@ -265,9 +265,16 @@ def call_memory(
         trace["inputs"] = [_buffer(v).ref() for v in inputs]
         trace["outputs"] = [_buffer(r).ref() for r in results]
         pairs = [(r, g) for r, g in zip(results, output_grads) if r.dtype.is_floating]
-        sources = [v for v in inputs if v.dtype.is_floating] + trainable_variables(layer)
+        floating = [v for v in inputs if v.dtype.is_floating]
+        sources = floating + trainable_variables(layer)
+        trace["variable_grads"] = []
         if pairs and sources:
-            tape.gradient([r for r, _ in pairs], sources, output_gradients=[g for _, g in pairs])
+            grads = tape.gradient(
+                [r for r, _ in pairs], sources, output_gradients=[g for _, g in pairs]
+            )
+            for grad in grads[len(floating) :]:
+                parts = [grad] if isinstance(grad, tf.Tensor) else tf.nest.flatten(grad, True)
+                trace["variable_grads"] += [_buffer(t).ref() for t in parts if t is not None]
 
     graph = tf.function(step, autograph=False).get_concrete_function(*specs).graph
     operations = graph.get_operations()
@@ -284,14 +291,17 @@ def call_memory(
         t for key, t in read.items() if key not in boundary and t.op.type not in _NOT_ACTIVATIONS
     ]
     # Gradients shaped like the call's inputs or outputs are counted by the
-    # memory model already; the workspace is the largest other temporary.
+    # memory model already, and so are the variables' gradients
+    # (`Chain.update_grad_bytes` or `grad_bytes`); the workspace is the
+    # largest other temporary.
     io_shapes = {tuple(spec.shape) for spec in specs}
+    variable_grads = set(trace["variable_grads"])
     backward = [
         t
         for op in operations[split:]
         if op.type not in _ALIASES
         for t in op.outputs
-        if tuple(t.shape) not in io_shapes
+        if tuple(t.shape) not in io_shapes and t.ref() not in variable_grads
     ]
     return CallMemory(
         kept_bytes=sum(_static_bytes(t) for t in kept),
