@@ -210,6 +210,34 @@ def test_block_after_an_embedding_trains_like_unwrapped_in_model_fit():
     assert_same_fit([plain, blocked], plain.variables, ids, y, batch_size=4)
 
 
+@pytest.mark.parametrize("kind", ["sequential", "functional"])
+def test_a_mask_made_inside_a_block_reaches_the_layers_after_it(kind):
+    """The block's symbolic output mask is an op of the model's graph.
+
+    It used to be a spec traced apart, which a later layer of the model could
+    not take ("Graph disconnected").
+    """
+    embedding = keras.layers.Embedding(10, 6, mask_zero=True)
+    dense = keras.layers.Dense(6, activation="tanh")
+    lstm = keras.layers.LSTM(5)  # reads the mask
+    head = keras.layers.Dense(2)
+    layers = [embedding, dense, lstm, head]
+    if kind == "sequential":
+        blocked = keras.Sequential(
+            [keras.Input((6,), dtype="int32"), RecomputeBlock([embedding, dense]), lstm, head]
+        )
+    else:
+        ids_in = keras.Input((6,), dtype="int32")
+        blocked = keras.Model(ids_in, head(lstm(RecomputeBlock([embedding, dense])(ids_in))))
+    plain = keras.Sequential([keras.Input((6,), dtype="int32"), *layers])
+    ids = np.concatenate([_token_ids(seed=s).numpy() for s in range(4)])
+    unmasked = np.where(ids == 0, 7, ids)  # other padding ids: other outputs, if masked
+    assert not np.allclose(plain(ids), plain(unmasked), atol=1e-4)
+    np.testing.assert_allclose(blocked(ids), plain(ids), atol=1e-6)
+    y = np.random.default_rng(0).normal(size=(len(ids), 2)).astype("float32")
+    assert_same_fit([plain, blocked], plain.variables, ids, y, batch_size=4)
+
+
 def test_compute_mask_of_a_list_uses_each_layers_own_input():
     """Masking's mask depends on its input, here the output of the Dense before it."""
     dense = keras.layers.Dense(3, kernel_initializer="zeros", bias_initializer="ones")

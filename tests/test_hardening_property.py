@@ -132,6 +132,7 @@ def _functional(unit_list, grouping, width):
     max_examples=20,
     deadline=None,
     database=None,
+    print_blob=True,  # a failure prints how to reproduce it
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 @given(model_specs(), st.sampled_from(["eager", "function"]), st.integers(0, 2**16))
@@ -154,6 +155,7 @@ def test_random_models_with_random_blocks_match_the_original(spec, mode, seed):
     max_examples=15,
     deadline=None,
     database=None,
+    print_blob=True,  # a failure prints how to reproduce it
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 @given(model_specs(), st.sampled_from(["eager", "function"]), st.integers(0, 2**16), st.data())

@@ -2,9 +2,9 @@
 
 Subcommands (each takes `--help`):
 
-* `plan MODEL.keras --batch-size N [--strategy NAME] [--budget 2GiB [--headroom 0.3]]`:
-  the plan table (`--all-names` names every layer of each row). A budget is
-  planned less its headroom for the allocator
+* `plan MODEL.keras --batch-size N [--strategy NAME] [--budget 2GiB [--headroom 0.3]]
+  [--all-names]`: the plan table (`--all-names` names every layer of each
+  row). A budget is planned less its headroom for the allocator
   (`tfrecompute.strategies.DEFAULT_HEADROOM` by default).
 * `profile MODEL.keras --batch-size N`: the per-link costs the planner sees.
 * `frontier MODEL.keras --batch-size N [--plot out.png] [--budget B [--headroom H]]`:

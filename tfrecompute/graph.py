@@ -54,6 +54,11 @@ def trainable_variables(operation: Any) -> list[Any]:
     return list(getattr(operation, "trainable_variables", ()))
 
 
+def _no_mask_of_its_own(inputs: Any, previous_mask: Any = None) -> None:
+    """`compute_mask` of a segment's sub-model: its outputs carry their layers' masks."""
+    return None
+
+
 @dataclasses.dataclass
 class TensorInfo:
     """A symbolic tensor of the model's graph.
@@ -145,17 +150,25 @@ class LayerGraph:
         graph = cls(model, calls)
         for info in graph.tensors.values():
             if None in tuple(info.tensor.shape)[1:]:
-                made_by = (
-                    "a model input"
-                    if info.producer < 0
-                    else f"layer {graph.names[info.producer]!r}"
-                )
+                if info.producer < 0:
+                    made_by = "a model input"
+                    fix = (
+                        "Give the model's inputs the fixed shape you train at, e.g. "
+                        "keras.Input(shape=(128, 64)) instead of (None, 64)."
+                    )
+                else:
+                    op = graph.calls[info.producer].layer
+                    kind = "layer" if isinstance(op, keras.layers.Layer) else "op"
+                    made_by = f"{kind} {graph.names[info.producer]!r}"
+                    fix = (
+                        f"Make that {kind}'s output shape static (e.g. a fixed target shape), "
+                        "with the model's inputs of the fixed shape you train at."
+                    )
                 raise ValueError(
                     f"{api}: every dimension but the batch must be known, since activation "
                     f"bytes come from shapes; a tensor from {made_by} has shape "
                     f"{tuple(info.tensor.shape)}. Received: model={model.name!r} (of type "
-                    f"{type(model).__name__}). Give the model's inputs the fixed shape you train "
-                    "at, e.g. keras.Input(shape=(128, 64)) instead of (None, 64)."
+                    f"{type(model).__name__}). {fix}"
                 )
         if isinstance(model, keras.Sequential):
             # The Sequential's own Input tensors stand for its functional ones.
@@ -235,6 +248,13 @@ class LayerGraph:
             sub_outputs if len(sub_outputs) != 1 else sub_outputs[0],
             name=f"{name}_layers",
         )
+        # A Functional model hands its input masks to its layers, and their
+        # output masks stay on its outputs, yet Keras warns that it "will
+        # destroy the mask" when given a masked input, as it lacks
+        # `supports_masking`. The segment's masks are its layers' own: it
+        # supports masking and adds none.
+        sub_model.supports_masking = True
+        sub_model.compute_mask = _no_mask_of_its_own
         return RecomputeBlock(sub_model, name=name), input_ids, output_ids
 
     def rewrite(
@@ -246,16 +266,26 @@ class LayerGraph:
         # Block names become TensorFlow name scopes: no "#" from a shared layer's call.
         names = [n.replace("#", "_call") for n in self.names]
         if self.sequential:
+            # A Sequential's graph also holds the ops its layers' masks are
+            # computed with (an Embedding's `not_equal`); the Sequential runs
+            # those itself, so only its layers are placed.
+            def placed(start: int, stop: int) -> list[int]:
+                calls = range(start, stop)
+                return [k for k in calls if isinstance(self.calls[k].layer, keras.layers.Layer)]
+
             layers: list[keras.layers.Layer] = []
             index = 0
             while index < len(self.calls):
                 if index in starts:
                     stop = starts[index]
-                    block_layers = [c.layer for c in self.calls[index:stop]]
-                    layers.append(RecomputeBlock(block_layers, name=f"recompute_{names[index]}"))
+                    members = placed(index, stop)
+                    if members:
+                        block_layers = [self.calls[k].layer for k in members]
+                        block_name = f"recompute_{names[members[0]]}"
+                        layers.append(RecomputeBlock(block_layers, name=block_name))
                     index = stop
                 else:
-                    layers.append(self.calls[index].layer)
+                    layers += [self.calls[k].layer for k in placed(index, index + 1)]
                     index += 1
             source = self.model.inputs[0]
             return keras.Sequential(

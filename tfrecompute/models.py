@@ -48,7 +48,9 @@ def _optimizer_keeps_all_gradients(model: keras.Model) -> bool:
     )
 
 
-def _estimated_flops(layer: keras.layers.Layer, outputs: list[Any], batch_size: int) -> float:
+def _estimated_flops(
+    layer: keras.layers.Layer | keras.Operation, outputs: list[Any], batch_size: int
+) -> float:
     """Forward FLOPs of a call, estimated from its weights and output size.
 
     A layer with weights does about 2 * weights multiply-adds per output

@@ -223,7 +223,11 @@ class CallMemory:
 
 
 def call_memory(
-    layer: keras.layers.Layer, args: Any, kwargs: Any, outputs: Any, batch_size: int
+    layer: keras.layers.Layer | keras.Operation,
+    args: Any,
+    kwargs: Any,
+    outputs: Any,
+    batch_size: int,
 ) -> CallMemory:
     """Finds what one layer call keeps alive for its backward.
 
@@ -234,7 +238,7 @@ def call_memory(
     shares. This is what TensorFlow keeps between the two passes.
 
     Args:
-        layer: the layer called.
+        layer: the layer called, or a plain Keras op (`keras.ops` on symbolic tensors).
         args, kwargs: the call's arguments, with `keras.KerasTensor`s for tensors.
         outputs: the call's symbolic outputs.
         batch_size: the size of the leading `None` dimension.
@@ -267,14 +271,14 @@ def call_memory(
         pairs = [(r, g) for r, g in zip(results, output_grads) if r.dtype.is_floating]
         floating = [v for v in inputs if v.dtype.is_floating]
         sources = floating + trainable_variables(layer)
-        trace["variable_grads"] = []
+        trace["gradients"] = []
         if pairs and sources:
             grads = tape.gradient(
                 [r for r, _ in pairs], sources, output_gradients=[g for _, g in pairs]
             )
-            for grad in grads[len(floating) :]:
+            for grad in grads:
                 parts = [grad] if isinstance(grad, tf.Tensor) else tf.nest.flatten(grad, True)
-                trace["variable_grads"] += [_buffer(t).ref() for t in parts if t is not None]
+                trace["gradients"] += [_buffer(t).ref() for t in parts if t is not None]
 
     graph = tf.function(step, autograph=False).get_concrete_function(*specs).graph
     operations = graph.get_operations()
@@ -290,18 +294,19 @@ def call_memory(
     kept = [
         t for key, t in read.items() if key not in boundary and t.op.type not in _NOT_ACTIVATIONS
     ]
-    # Gradients shaped like the call's inputs or outputs are counted by the
-    # memory model already, and so are the variables' gradients
-    # (`Chain.update_grad_bytes` or `grad_bytes`); the workspace is the
-    # largest other temporary.
+    # The memory model counts the gradients the call returns, for its inputs
+    # (also when made in another shape and reshaped, as a Conv1D's or a
+    # Dense's on 3-D inputs is) and for its variables (`Chain.update_grad_bytes`
+    # or `grad_bytes`), and temporaries shaped like its inputs or outputs as
+    # those gradients; the workspace is the largest other temporary.
     io_shapes = {tuple(spec.shape) for spec in specs}
-    variable_grads = set(trace["variable_grads"])
+    returned = set(trace["gradients"])
     backward = [
         t
         for op in operations[split:]
         if op.type not in _ALIASES
         for t in op.outputs
-        if tuple(t.shape) not in io_shapes and t.ref() not in variable_grads
+        if tuple(t.shape) not in io_shapes and t.ref() not in returned
     ]
     return CallMemory(
         kept_bytes=sum(_static_bytes(t) for t in kept),

@@ -89,25 +89,6 @@ def _call_context(entry_layer: keras.layers.Layer, training: Any) -> Iterator[No
         global_state.set_global_attribute("current_call_ctx", previous)
 
 
-@contextlib.contextmanager
-def _masks_kept_inside(layer: keras.layers.Layer) -> Iterator[None]:
-    """Silences Keras's "will destroy the mask" warning for a Functional model.
-
-    Keras warns when a masked tensor reaches a layer without
-    `supports_masking`, which a Functional model never has. But when it runs,
-    a Functional model hands its input masks to its own layers, and their
-    output masks stay on its outputs (which the block attaches to its own):
-    nothing is lost, unwrapped or in a block. `recompute()` puts every segment
-    in such a model, so without this every masked model warned.
-    """
-    if not hasattr(layer, "_nodes_by_depth"):  # not a Functional model
-        yield
-        return
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".*was passed an input with a mask attached")
-        yield
-
-
 def _check_layers(layers: Any) -> list[keras.layers.Layer]:
     """Validates the `layers` argument of `RecomputeBlock`; returns them as a list."""
     if isinstance(layers, keras.layers.Layer):
@@ -308,14 +289,12 @@ class RecomputeBlock(keras.layers.Layer):
             call_kwargs["mask"] = mask
         if training is not None and first._call_has_training_arg:
             call_kwargs["training"] = training
-        with _masks_kept_inside(first):
-            outputs = first(inputs, *args, **call_kwargs)
+        outputs = first(inputs, *args, **call_kwargs)
         for layer in self.inner[1:]:
-            with _masks_kept_inside(layer):
-                if training is not None and layer._call_has_training_arg:
-                    outputs = layer(outputs, training=training)
-                else:
-                    outputs = layer(outputs)
+            if training is not None and layer._call_has_training_arg:
+                outputs = layer(outputs, training=training)
+            else:
+                outputs = layer(outputs)
         return outputs
 
     def call(
@@ -571,19 +550,18 @@ class RecomputeBlock(keras.layers.Layer):
         # NOTE [ Masks of a list of layers ]
         # A layer's mask may depend on its own input (Masking, Embedding), and
         # only the first layer's input is the block's. So the masks are those
-        # the layers attach when they run, each on its real input: traced on
-        # specs for symbolic inputs, run in inference otherwise. At run time
-        # the block's call attaches its layers' masks to its outputs itself
-        # (see `_set_mask_metadata`), so this runs the layers only when called
+        # the layers attach when they run, each on its real input. On
+        # symbolic inputs the layers are called on them, so that the masks
+        # are ops of the caller's graph: an Embedding's mask is then
+        # `not_equal` of the block's input, which a later layer of a
+        # Functional or Sequential model can take (a spec traced apart has no
+        # producer there: "Graph disconnected"). The layer calls made for it
+        # stay out of the model unless a mask needs them. At run time the
+        # block's call attaches its layers' masks to its outputs itself (see
+        # `_set_mask_metadata`), so this runs the layers only when called
         # directly.
-
-        def masks(x: Any, m: Any) -> Any:
-            outputs = self._run_inner(x, training=False, mask=m)
-            return keras.tree.map_structure(keras.src.backend.get_keras_mask, outputs)
-
-        if _is_symbolic(inputs):
-            return keras.src.backend.compute_output_spec(masks, inputs, mask)
-        return masks(inputs, mask)
+        outputs = self._run_inner(inputs, training=False, mask=mask)
+        return keras.tree.map_structure(keras.src.backend.get_keras_mask, outputs)
 
     def _set_mask_metadata(self, inputs: Any, outputs: Any, previous_mask: Any) -> None:
         # Keras calls this after `call` to attach `compute_mask(inputs,
