@@ -155,6 +155,8 @@ def test_profile_says_when_the_optimizer_keeps_every_gradient(models, capsys, tm
     assert main(["profile", path, "--batch-size", "512"]) == 0
     out = capsys.readouterr().out
     assert "Weight gradients (grads): all kept until the step's end" in out
+    # The two largest gradients: the kernels of the 16 x 16 Dense layers.
+    assert "and 2.00 KiB of copies as it updates" in out
     assert "each updated" not in out
 
 

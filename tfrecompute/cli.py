@@ -334,7 +334,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     if any(chain.grad_bytes):
         print(
             "Weight gradients (grads): all kept until the step's end (the optimizer needs "
-            "them together)"
+            f"them together), and {fmt(chain.update_workspace_bytes)} of copies as it updates"
         )
     elif any(chain.update_grad_bytes):
         print(

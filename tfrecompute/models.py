@@ -143,9 +143,16 @@ def _profile_graph(
     for index, call in enumerate(graph.calls):
         for variable in trainable_variables(call.layer):
             last_call[id(variable)] = (index, variable)
+    variable_grads = []
     for index, variable in last_call.values():
-        grads[link_of[index]] += tensor_bytes(variable.shape, variable.dtype, 1)
+        variable_grads.append(tensor_bytes(variable.shape, variable.dtype, 1))
+        grads[link_of[index]] += variable_grads[-1]
     keep_all = _optimizer_keeps_all_gradients(graph.model)
+    # Such an optimizer then makes new tensors of the gradients (the clipped
+    # or unscaled ones, and the squares of a global norm) as it updates, a
+    # few at a time: counted as the largest `Chain.UPDATE_LAG` gradients,
+    # the updates in flight at once (`Chain.update_workspace_bytes`).
+    update_workspace = sum(sorted(variable_grads, reverse=True)[: strategies.Chain.UPDATE_LAG])
 
     # NOTE [ Which gradients exist ]
     # A training step differentiates the loss with respect to the trainable
@@ -249,6 +256,7 @@ def _profile_graph(
         carry_grads=carry_grads,
         input_grad_bytes=input_grads,
         input_copy_bytes=copies,
+        update_workspace_bytes=update_workspace if keep_all else 0,
         names=link_names,
     )
     return _ModelChain(graph, chain, tuple(groups))

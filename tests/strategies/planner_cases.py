@@ -101,6 +101,7 @@ def random_chain(rng: random.Random, n: int, *, scale: int = 1) -> Chain:
         input_grad_bytes=[rng.choice([a, a, a // 2, 0]) for a in activations],
         update_grad_bytes=[rng.choice([0, 0, 2, 5]) * scale for _ in range(n)],
         input_copy_bytes=[rng.choice([a, 0]) for a in activations],
+        update_workspace_bytes=rng.choice([0, 0, 4, 30]) * scale,
     )
 
 
@@ -127,6 +128,7 @@ def wide_chain(rng: random.Random, n: int, *, skips: bool = False) -> Chain:
         carry_grads=carries,
         update_grad_bytes=None if skips else [rng.randrange(0, 1 << 21) for _ in range(n)],
         input_copy_bytes=[first, *outputs[:-1]] if skips else None,
+        update_workspace_bytes=rng.randrange(0, 1 << 22) if skips else 0,
     )
 
 
@@ -175,4 +177,5 @@ def chains(draw: hs.DrawFn, *, max_layers: int = 8, min_layers: int = 1) -> Chai
         input_grad_bytes=input_grads,
         update_grad_bytes=updates,
         input_copy_bytes=copies,
+        update_workspace_bytes=draw(hs.sampled_from([0, 0, 6, 50])),
     )

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from tfrecompute.strategies import Chain
+from tfrecompute.strategies import Chain, simulate
 
 
 def test_stores_tuples_of_ints_and_floats() -> None:
@@ -318,6 +318,24 @@ def test_input_copy_bytes_default_to_zeros_and_are_compared() -> None:
         Chain(3, [4, 5, 6], [4, 5, 6], [1.0] * 3, input_copy_bytes=[3, 5, 0])
     with pytest.raises(ValueError, match=r"^Chain: input_copy_bytes has 2 entries"):
         Chain(3, [4, 5, 6], [4, 5, 6], [1.0] * 3, input_copy_bytes=[3, 4])
+
+
+def test_update_workspace_counts_at_layer_0s_backward_only() -> None:
+    """The optimizer's copies at the step's end, folded into layer 0's backward."""
+    plain = Chain(3, [4, 5, 6], [4, 5, 6], [1.0] * 3, grad_bytes=[2, 2, 2])
+    assert plain.update_workspace_bytes == 0
+    copying = dataclasses.replace(plain, update_workspace_bytes=9)
+    assert copying != plain
+    assert plain.live_gradients() == ((6, 4, 2), (6, 4, 2, 0))
+    assert copying.live_gradients() == ((15, 4, 2), (6, 4, 2, 0))
+    # Storing everything, the peak is layer 2's backward: 3 + 4 + 5 + 6 held, 6 + 5
+    # (gradients of x_3 and x_2) and 2 (G_2) = 31; layer 0's backward is 3 + 4
+    # held, 4 + 3 and 6 (G_0) = 20, and 40 with 20 bytes of copies.
+    assert simulate(plain, []).peak_bytes == 31
+    assert simulate(dataclasses.replace(plain, update_workspace_bytes=20), []).peak_bytes == 40
+    for bad, error in ((-1, ValueError), (1.5, ValueError), (True, TypeError), ("9", TypeError)):
+        with pytest.raises(error, match=r"^Chain: `?update_workspace_bytes"):
+            Chain(3, [4], [4], [1.0], update_workspace_bytes=bad)
 
 
 def test_update_grad_bytes_default_to_zeros_and_are_compared() -> None:

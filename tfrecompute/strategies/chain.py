@@ -78,6 +78,11 @@ class Chain:
             `activation_bytes(i)`), live through the segment's recompute and
             backward. `RecomputeBlock` copies its floating inputs there (NOTE
             [ The recompute's input copy ] in tfrecompute/models.py).
+        update_workspace_bytes: transient bytes of the optimizer step at the
+            end of the backward pass, while the gradients of `grad_bytes` are
+            all alive (default 0): the copies an optimizer that needs all
+            gradients makes of them (clipped or unscaled gradients). The step's
+            end is folded into layer 0's backward pass, so they count there.
 
     Example:
         >>> chain = Chain(1024, [2048, 2048, 512], [4096, 2048, 512], [1.0, 2.0, 0.5])
@@ -107,6 +112,7 @@ class Chain:
     input_grad_bytes: tuple[int, ...]
     update_grad_bytes: tuple[int, ...]
     input_copy_bytes: tuple[int, ...]
+    update_workspace_bytes: int
 
     def __init__(
         self,
@@ -125,6 +131,7 @@ class Chain:
         input_grad_bytes: Iterable[int] | None = None,
         update_grad_bytes: Iterable[int] | None = None,
         input_copy_bytes: Iterable[int] | None = None,
+        update_workspace_bytes: int = 0,
     ) -> None:
         """Validates and stores the costs; see the class docstring for the fields.
 
@@ -138,6 +145,7 @@ class Chain:
         """
         inputs = as_byte_count(_API, "input_bytes", input_bytes)
         overhead = as_byte_count(_API, "overhead_bytes", overhead_bytes)
+        update_workspace = as_byte_count(_API, "update_workspace_bytes", update_workspace_bytes)
         outputs = _byte_tuple("output_bytes", output_bytes)
         n = len(outputs)
         if n == 0:
@@ -205,6 +213,7 @@ class Chain:
         object.__setattr__(self, "input_grad_bytes", input_grads)
         object.__setattr__(self, "update_grad_bytes", updates)
         object.__setattr__(self, "input_copy_bytes", copies)
+        object.__setattr__(self, "update_workspace_bytes", update_workspace)
 
     @classmethod
     def homogeneous(cls, n: int, *, activation_bytes: int, cost: float = 1.0) -> Chain:
@@ -263,7 +272,9 @@ class Chain:
         what is alive while layer `k`'s backward pass runs besides the
         gradient of `x_{k+1}` and the one it makes for its input
         (`input_grad_bytes[k]`): `G_k`, plus the `carry_grads` `(i, j,
-        b)` with `i < k <= j`. `recompute[e]` (for `e` in `0..n`) is what is
+        b)` with `i < k <= j`, plus, for `k = 0`, `update_workspace_bytes`
+        (the step's end, with the optimizer's copies, is folded into layer
+        0's backward pass). `recompute[e]` (for `e` in `0..n`) is what is
         alive while a segment ending at `e` runs forward again (after the
         backward pass of layer `e`) besides the gradient of `x_e`: `G_e`, plus
         the `carry_grads` with `i + 1 < e <= j`. See
@@ -286,6 +297,8 @@ class Chain:
             at[min(j, n - 1) + 1] -= size
             between[i + 2] += size
             between[j + 1] -= size
+        at[0] += self.update_workspace_bytes
+        at[1] -= self.update_workspace_bytes
         backward = tuple(g + c for g, c in zip(params, itertools.accumulate(at[:n])))
         recompute = tuple(g + c for g, c in zip(params, itertools.accumulate(between[: n + 1])))
         return backward, recompute

@@ -30,7 +30,9 @@ Four terms come from `carries`, `grad_bytes`, `carry_grads` and
   the parameter gradients `grad_bytes[k] + ... + grad_bytes[n-1]` (they stay
   until the optimizer step) plus the `carry_grads` `(i, j, bytes)` with
   `i < k <= j` (a skip tensor's gradient, made by the backward pass of its last
-  consumer `j`; at its producer `i` it is part of the gradient of `x_{i+1}`).
+  consumer `j`; at its producer `i` it is part of the gradient of `x_{i+1}`),
+  and for `k = 0` the optimizer's copies `update_workspace_bytes` (see the
+  step's end below).
   `R_e` is alive while a segment ending at `e` runs forward again, after the
   backward pass of layer `e`: the parameter gradients of layers `e..n-1` plus
   the `carry_grads` with `i + 1 < e <= j`. Both add to backward-phase moments
@@ -74,10 +76,12 @@ Backward, elements in reverse order; the gradient of the element's output,
   released after it.
 
 The step ends with the optimizer update, when `H = a_0` and all parameter
-gradients kept for it are live: `a_0 + R_0 + V_0`. That moment is part of the
-model but is never above the backward moment of layer 0 (the same plus
-`saved_0`, the gradients of `x_1` and `x_0`, `ws_0` and `U(0, e) >= V_0`), so
-it is folded into it: the timeline ends with the backward of layer 0.
+gradients kept for it are live, with the copies the optimizer makes of them
+(`W = update_workspace_bytes`: clipped or unscaled gradients):
+`a_0 + R_0 + V_0 + W`. That moment is part of the model but is never above
+the backward moment of layer 0 (the same plus `saved_0`, the gradients of
+`x_1` and `x_0`, `ws_0` and `U(0, e) >= V_0`, as `G_0` counts `W`), so it is
+folded into it: the timeline ends with the backward of layer 0.
 
 The peak is the largest live value over every moment, forward and backward;
 all arithmetic is on exact ints. The recompute cost is the sum of
