@@ -29,18 +29,14 @@ def _is_subclassed(model: keras.Model) -> bool:
 
 
 def tensor_bytes(shape: Sequence[int | None], dtype: Any, batch_size: int) -> int:
-    """Bytes of a tensor of `shape` (None as the leading dimension = batch) and `dtype`."""
+    """Bytes of a tensor of `shape` (None as the leading dimension = batch) and `dtype`.
+
+    Only the batch may be unknown: `LayerGraph.of` refuses models with other
+    unknown dimensions.
+    """
     size = tf.as_dtype(keras.backend.standardize_dtype(dtype)).size
     for index, dim in enumerate(shape):
-        if dim is None:
-            if index != 0:
-                raise ValueError(
-                    "tfrecompute: a tensor has an unknown dimension other than the batch. "
-                    f"Received: shape={tuple(shape)} (of type tuple). Give the model's "
-                    "inputs a fixed shape (keras.Input(shape=(128, 64)), not (None, 64))."
-                )
-            dim = batch_size
-        size *= dim
+        size *= batch_size if index == 0 and dim is None else dim
     return int(size)
 
 
@@ -269,24 +265,19 @@ class LayerGraph:
             # A Sequential's graph also holds the ops its layers' masks are
             # computed with (an Embedding's `not_equal`); the Sequential runs
             # those itself, so only its layers are placed.
-            def placed(start: int, stop: int) -> list[int]:
-                calls = range(start, stop)
-                return [k for k in calls if isinstance(self.calls[k].layer, keras.layers.Layer)]
-
+            placed = [isinstance(c.layer, keras.layers.Layer) for c in self.calls]
             layers: list[keras.layers.Layer] = []
             index = 0
             while index < len(self.calls):
-                if index in starts:
-                    stop = starts[index]
-                    members = placed(index, stop)
-                    if members:
-                        block_layers = [self.calls[k].layer for k in members]
-                        block_name = f"recompute_{names[members[0]]}"
-                        layers.append(RecomputeBlock(block_layers, name=block_name))
-                    index = stop
+                stop = starts.get(index, index + 1)
+                members = [k for k in range(index, stop) if placed[k]]
+                if index in starts and members:
+                    block_layers = [self.calls[k].layer for k in members]
+                    block_name = f"recompute_{names[members[0]]}"
+                    layers.append(RecomputeBlock(block_layers, name=block_name))
                 else:
-                    layers += [self.calls[k].layer for k in placed(index, index + 1)]
-                    index += 1
+                    layers += [self.calls[k].layer for k in members]
+                index = stop
             source = self.model.inputs[0]
             return keras.Sequential(
                 [keras.Input(batch_shape=source.shape, dtype=source.dtype), *layers], name=name

@@ -276,9 +276,9 @@ def call_memory(
             grads = tape.gradient(
                 [r for r, _ in pairs], sources, output_gradients=[g for _, g in pairs]
             )
-            for grad in grads:
-                parts = [grad] if isinstance(grad, tf.Tensor) else tf.nest.flatten(grad, True)
-                trace["gradients"] += [_buffer(t).ref() for t in parts if t is not None]
+            for part in tf.nest.flatten(grads, expand_composites=True):  # IndexedSlices too
+                if part is not None:
+                    trace["gradients"].append(_buffer(part).ref())
 
     graph = tf.function(step, autograph=False).get_concrete_function(*specs).graph
     operations = graph.get_operations()

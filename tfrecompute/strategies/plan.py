@@ -184,9 +184,13 @@ proven_optimal=False)
             0-2     layer_0, layer_1, layer_2  recomputed  1.00 KiB  3
         """
         if not isinstance(all_names, bool):
-            raise TypeError(
-                "Plan.summary: `all_names` must be True or False. Received: "
-                f"all_names={all_names!r} (of type {type(all_names).__name__})."
+            fail(
+                "Plan.summary",
+                "`all_names` must be True or False",
+                "all_names",
+                all_names,
+                "Pass all_names=True to name every layer",
+                error=TypeError,
             )
         chain = self.chain
         rows: list[tuple[str, str, str, str, str]] = []
