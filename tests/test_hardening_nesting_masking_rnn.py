@@ -16,6 +16,7 @@ from tests.helpers import (
     normal,
 )
 from tfrecompute import RecomputeBlock
+from tfrecompute.graph import LayerGraph
 
 
 class CountingLayer(keras.layers.Layer):
@@ -229,6 +230,9 @@ def test_a_mask_made_inside_a_block_reaches_the_layers_after_it(kind):
     else:
         ids_in = keras.Input((6,), dtype="int32")
         blocked = keras.Model(ids_in, head(lstm(RecomputeBlock([embedding, dense])(ids_in))))
+    # The layer calls compute_mask makes for the symbolic mask are not the model's.
+    called = {id(call.layer) for call in LayerGraph.of(blocked).calls}
+    assert not {id(embedding), id(dense)} & called
     plain = keras.Sequential([keras.Input((6,), dtype="int32"), *layers])
     ids = np.concatenate([_token_ids(seed=s).numpy() for s in range(4)])
     unmasked = np.where(ids == 0, 7, ids)  # other padding ids: other outputs, if masked
