@@ -102,7 +102,7 @@ def residual_chain(n: int, seed: int) -> Chain:
         workspace_bytes=base.workspace_bytes,
         names=base.names,
         carries=carries,
-        grad_bytes=[int(2 ** rng.uniform(12, 22)) for _ in range(n)],
+        kept_grad_bytes=[int(2 ** rng.uniform(12, 22)) for _ in range(n)],
     )
 
 

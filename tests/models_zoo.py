@@ -1,10 +1,20 @@
-"""Small real models for the whole-model tests: CNNs, a Transformer encoder, a U-Net."""
+"""Small real models for the whole-model tests: an MLP, CNNs, a Transformer encoder, a U-Net."""
 
 from __future__ import annotations
 
 import keras
 import numpy as np
 import tensorflow as tf
+
+
+def tanh_mlp(*, depth: int = 8, width: int = 32, dropout: bool = True) -> keras.Sequential:
+    """`depth` Dense(width, tanh), each followed by Dropout(0.2) if `dropout`; then Dense(3)."""
+    layers: list[keras.layers.Layer] = []
+    for _ in range(depth):
+        layers.append(keras.layers.Dense(width, activation="tanh"))
+        if dropout:
+            layers.append(keras.layers.Dropout(0.2))
+    return keras.Sequential([keras.Input((width,)), *layers, keras.layers.Dense(3)])
 
 
 def transformer_encoder(

@@ -11,8 +11,6 @@ Subcommands (each takes `--help`):
   the memory/recompute-cost Pareto curve.
 * `timeline MODEL.keras --batch-size N [--plot out.png] [--strategy S] [--budget B [--headroom H]]`:
   predicted live memory over one training step, without and with the plan.
-* `demo [--depth D --width W --batch-size N]`: train an MLP with and without
-  `RecomputeBlock` and print the measured step memory.
 
 Exit codes: 0 on success, 2 for usage errors (bad arguments, a malformed
 budget, an unknown strategy, a model file that does not exist), 1 for other
@@ -31,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import os
 import sys
 import time
@@ -39,9 +36,11 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TextIO
 
 from tfrecompute import strategies
+from tfrecompute._messages import received
 from tfrecompute.errors import InfeasibleBudgetError
-from tfrecompute.strategies.budget import _headroom as _check_headroom
-from tfrecompute.strategies.budget import _parse_budget
+from tfrecompute.strategies._table import table
+from tfrecompute.strategies.headroom import check_headroom
+from tfrecompute.strategies.units import budget_bytes
 
 __all__ = ["main"]
 
@@ -121,14 +120,6 @@ def _build_parser() -> argparse.ArgumentParser:
     strategy_options(timeline, "sqrt")
     timeline.add_argument("--plot", metavar="OUT.png", help="write the timeline to a PNG file")
 
-    demo = commands.add_parser(
-        "demo",
-        help="Train an MLP with and without RecomputeBlock; print the measured memory.",
-        description="Train an MLP with and without RecomputeBlock; print the measured memory.",
-    )
-    demo.add_argument("--depth", type=_positive_int, default=16, help="Dense layers (16)")
-    demo.add_argument("--width", type=_positive_int, default=256, help="units per layer (256)")
-    demo.add_argument("--batch-size", type=_positive_int, default=512, help="batch size (512)")
     return parser
 
 
@@ -136,7 +127,7 @@ def _budget(command: str, text: str | None) -> int | None:
     if text is None:
         return None
     try:
-        return _parse_budget(text, api=f"tfrecompute {command}", name="--budget")
+        return budget_bytes(text, api=f"tfrecompute {command}", name="--budget")
     except (TypeError, ValueError) as error:
         raise CliError(str(error), code=2) from None
 
@@ -154,11 +145,11 @@ def _headroom(command: str, args: argparse.Namespace) -> float | None:
     fix = "Pass a share of the budget in [0, 1), e.g. --headroom 0.3 (0 plans to the budget)"
     try:
         value = float(args.headroom)
-        _check_headroom(api, value)
+        check_headroom(api, value)
     except ValueError:
         raise CliError(
-            f"{api}: --headroom must be a number in [0, 1). Received: --headroom="
-            f"{args.headroom!r}. {fix}.",
+            f"{api}: --headroom must be a number in [0, 1). "
+            f"{received('--headroom', args.headroom)}. {fix}.",
             code=2,
         ) from None
     return value
@@ -170,8 +161,8 @@ def _strategy(command: str, name: str) -> strategies.Strategy:
     except (TypeError, ValueError):
         valid = ", ".join((*strategies.available(), "uniform:<k>"))
         raise CliError(
-            f"tfrecompute {command}: unknown strategy. Received: --strategy={name!r} "
-            f"(of type str). Use one of {valid}.",
+            f"tfrecompute {command}: unknown strategy. {received('--strategy', name)}. "
+            f"Use one of {valid}.",
             code=2,
         ) from None
 
@@ -184,8 +175,8 @@ def _load_model(command: str, path: str) -> Any:
     if not os.path.isfile(path):
         what = "is a directory" if os.path.isdir(path) else "does not exist"
         raise CliError(
-            f"tfrecompute {command}: the model file {what}. Received: model={path!r} "
-            "(of type str). Pass the path of a model saved with model.save('model.keras').",
+            f"tfrecompute {command}: the model file {what}. {received('model', path)}. "
+            "Pass the path of a model saved with model.save('model.keras').",
             code=2,
         )
     _quiet_tensorflow()
@@ -199,7 +190,7 @@ def _load_model(command: str, path: str) -> Any:
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
         raise CliError(
             f"tfrecompute {command}: cannot load the model file ({type(error).__name__}: "
-            f"{first}). Received: model={path!r} (of type str). Pass a model saved with "
+            f"{first}). {received('model', path)}. Pass a model saved with "
             "model.save('model.keras'), with its custom layers importable.",
         ) from None
 
@@ -295,19 +286,6 @@ def _flops(value: float) -> str:
     return f"{value:.0f}"
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> str:
-    widths = [max(len(row[k]) for row in [header, *rows]) for k in range(len(header))]
-
-    def line(row: Sequence[str]) -> str:
-        cells = [
-            text.rjust(width) if k in right else text.ljust(width)
-            for k, (text, width) in enumerate(zip(row, widths))
-        ]
-        return "  ".join(cells).rstrip()
-
-    return "\n".join([line(header), *(line(row) for row in rows)])
-
-
 def _cmd_profile(args: argparse.Namespace) -> int:
     chain = _chain("profile", args, progress=True)
     fmt = strategies.format_bytes
@@ -318,7 +296,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
             fmt(chain.output_bytes[i]),
             fmt(chain.saved_bytes[i]),
             fmt(chain.workspace_bytes[i]),
-            fmt(chain.grad_bytes[i] + chain.update_grad_bytes[i]),
+            fmt(chain.kept_grad_bytes[i] + chain.applied_grad_bytes[i]),
             fmt(chain.input_copy_bytes[i]),
             _flops(chain.forward_cost[i]),
         )
@@ -326,17 +304,17 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     ]
     header = ("#", "name", "output", "saved", "workspace", "grads", "input copy", "forward FLOPs")
     print(f"Chain of {chain.n} links at batch size {args.batch_size}")
-    print(_table(header, rows, right={0, 2, 3, 4, 5, 6, 7}))
+    print(table(header, rows, right={0, 2, 3, 4, 5, 6, 7}))
     print(
         f"Input {fmt(chain.input_bytes)}; saved in total {fmt(sum(chain.saved_bytes))}; "
         f"forward cost {_flops(chain.total_forward_cost)}FLOPs"
     )
-    if any(chain.grad_bytes):
+    if any(chain.kept_grad_bytes):
         print(
             "Weight gradients (grads): all kept until the step's end (the optimizer needs "
             f"them together), and {fmt(chain.update_workspace_bytes)} of copies as it updates"
         )
-    elif any(chain.update_grad_bytes):
+    elif any(chain.applied_grad_bytes):
         print(
             f"Weight gradients (grads): each updated during the backward of the next "
             f"{chain.UPDATE_LAG} links, or at the end of its segment's backward when recomputed"
@@ -381,7 +359,7 @@ def _cmd_frontier(args: argparse.Namespace) -> int:
         f"Pareto frontier of {chain.n} links at batch size {args.batch_size}: "
         f"{len(points)} plans" + (f", {len(shown)} shown" if len(shown) < len(points) else "")
     )
-    print(_table(("peak", "recompute cost", "segments"), rows, right={0, 1, 2}))
+    print(table(("peak", "recompute cost", "segments"), rows, right={0, 1, 2}))
     label = _chosen_label(args)
     width = max(len(name) for name in [*marks, label]) + 2
     for name, plan in [*marks.items(), (label, chosen)]:
@@ -419,8 +397,8 @@ def _cmd_timeline(args: argparse.Namespace) -> int:
         events = plan.timeline()
         top = max(events, key=lambda e: e.live_bytes)
         print(
-            f"{name}: peak {fmt(top.live_bytes)} during the {top.phase} of link {top.layer} "
-            f"({chain.names[top.layer]}); {len(events)} moments, recompute cost "
+            f"{name}: peak {fmt(top.live_bytes)} during the {top.phase} of link {top.link} "
+            f"({chain.names[top.link]}); {len(events)} moments, recompute cost "
             f"{_share(plan):.1f}%"
         )
     if base.peak_bytes:
@@ -428,62 +406,6 @@ def _cmd_timeline(args: argparse.Namespace) -> int:
     if figure is not None:
         _plot_timeline(figure, args.plot, [("none", base), (label, chosen)], args)
         print(f"Wrote {args.plot}")
-    return 0
-
-
-def _cmd_demo(args: argparse.Namespace) -> int:
-    _quiet_tensorflow()
-    import keras
-    import numpy as np
-
-    import tfrecompute
-
-    def build(block_size: int | None) -> Any:
-        keras.utils.set_random_seed(0)
-        layers: list[Any] = []
-        for _ in range(args.depth):
-            layers += [
-                keras.layers.Dense(args.width, activation="relu"),
-                keras.layers.Dropout(0.1),
-            ]
-        if block_size:
-            size = 2 * block_size
-            layers = [
-                tfrecompute.RecomputeBlock(layers[i : i + size])
-                for i in range(0, len(layers), size)
-            ]
-        model = keras.Sequential([keras.Input((args.width,)), *layers, keras.layers.Dense(10)])
-        model.compile(
-            optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-        )
-        return model
-
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(2 * args.batch_size, args.width)).astype("float32")
-    y = rng.integers(0, 10, size=(2 * args.batch_size,))
-    block = max(1, round(math.sqrt(args.depth)))
-    rows = []
-    for label, size in (("no recompute", None), (f"RecomputeBlock x{block}", block)):
-        model = build(size)
-        history = model.fit(x, y, batch_size=args.batch_size, epochs=1, verbose=0)
-        step = tfrecompute.measure_step(model, x[: args.batch_size], y[: args.batch_size])
-        rows.append((label, step, float(history.history["loss"][-1])))
-    print(
-        f"{args.depth} x Dense({args.width}) + Dropout, batch {args.batch_size}, "
-        f"on {rows[0][1].device}"
-    )
-    print(f"{'variant':<22}{'step memory':>14}{'step time':>12}{'loss':>10}")
-    for label, step, loss in rows:
-        memory, ms = step.peak_bytes / _MIB, step.seconds * 1e3
-        print(f"{label:<22}{memory:>10.1f} MiB{ms:>9.1f} ms{loss:>10.4f}")
-    base, blocked = rows[0][1], rows[1][1]
-    if not base.peak_bytes:
-        print("the allocator recorded no memory: use a larger --batch-size")
-        return 0
-    print(
-        f"recompute used {blocked.peak_bytes / base.peak_bytes:.0%} of the memory "
-        f"at {blocked.seconds / base.seconds:.2f}x the step time"
-    )
     return 0
 
 
@@ -517,8 +439,8 @@ def _save(figure: Any, path: str) -> None:
         figure.savefig(path, dpi=150)
     except (OSError, ValueError) as error:
         raise CliError(
-            f"tfrecompute: cannot write the plot ({error}). Received: --plot={path!r} (of "
-            "type str). Pass a writable path ending in .png."
+            f"tfrecompute: cannot write the plot ({error}). {received('--plot', path)}. "
+            "Pass a writable path ending in .png."
         ) from None
 
 
@@ -556,7 +478,7 @@ def _plot_frontier(
             color=color,
             edgecolor="black",
             zorder=3,
-            label=f"{name} ({_mib(plan.peak_bytes)}, {_share(plan):.0f}%)",
+            label=f"{name} ({strategies.format_bytes(plan.peak_bytes)}, {_share(plan):.0f}%)",
         )
     axes.scatter(
         chosen.peak_bytes / _MIB,
@@ -566,7 +488,7 @@ def _plot_frontier(
         color="tab:red",
         edgecolor="black",
         zorder=4,
-        label=f"{label} ({_mib(chosen.peak_bytes)}, {_share(chosen):.0f}%)",
+        label=f"{label} ({strategies.format_bytes(chosen.peak_bytes)}, {_share(chosen):.0f}%)",
     )
     if args.budget:
         budget = _budget("frontier", args.budget)
@@ -581,10 +503,6 @@ def _plot_frontier(
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8, loc="upper right")
     _save(figure, path)
-
-
-def _mib(n: int) -> str:
-    return f"{n / _MIB:.3g} MiB"
 
 
 def _plot_timeline(
@@ -612,7 +530,7 @@ def _plot_timeline(
         top = max(range(len(events)), key=lambda k: events[k].live_bytes)
         axes.axhline(ys[top], color=color, ls=":", lw=1)
         axes.annotate(
-            f"peak {_mib(events[top].live_bytes)}",
+            f"peak {strategies.format_bytes(events[top].live_bytes)}",
             (top + 0.5, ys[top]),
             xytext=(0, 6),
             textcoords="offset points",
@@ -651,7 +569,6 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "profile": _cmd_profile,
     "frontier": _cmd_frontier,
     "timeline": _cmd_timeline,
-    "demo": _cmd_demo,
 }
 
 

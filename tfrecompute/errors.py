@@ -6,7 +6,12 @@ This module is pure Python (no TensorFlow import) so that the planner in
 
 from __future__ import annotations
 
-__all__ = ["InfeasibleBudgetError", "NonReplayableRandomnessError", "TfrecomputeError"]
+__all__ = [
+    "InfeasibleBudgetError",
+    "NonReplayableRandomnessError",
+    "RecomputeMismatchError",
+    "TfrecomputeError",
+]
 
 
 class TfrecomputeError(Exception):
@@ -35,3 +40,7 @@ class NonReplayableRandomnessError(TfrecomputeError, ValueError):
     global seed generator) would draw different numbers in the recompute than
     in the forward pass, which makes gradients silently wrong.
     """
+
+
+class RecomputeMismatchError(TfrecomputeError, RuntimeError):
+    """A recompute produced other tensors than the forward (debug mode only)."""

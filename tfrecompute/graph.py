@@ -1,13 +1,10 @@
-"""The layer graph of a Sequential or Functional model, as a chain of calls.
+"""The layer graph of a Sequential or Functional model, as a chain of calls (analysis only).
 
 `LayerGraph.of(model)` lists the model's layer calls (Keras nodes) in a
 topological order and records, for every tensor, which call produced it and
 which calls consume it. A recompute plan is a set of half-open ranges over
-that order; `LayerGraph.rewrite(segments)` builds the checkpointed model, each
-range becoming a `RecomputeBlock` around a Functional sub-model whose inputs
-are the tensors the range consumes from before it and whose outputs are the
-tensors later calls (or the model's outputs) need from it. Tensors that only
-pass by a range (a U-Net's long skip) go around its block.
+that order: `tfrecompute.costs` measures them, `tfrecompute.rewrite` turns
+them into `RecomputeBlock`s.
 """
 
 from __future__ import annotations
@@ -19,13 +16,10 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tfrecompute.layers import RecomputeBlock
+from tfrecompute._keras_internals import functional_inputs, functional_nodes, is_functional
+from tfrecompute._messages import fail
 
-__all__ = ["LayerGraph", "TensorInfo", "tensor_bytes", "trainable_variables"]
-
-
-def _is_subclassed(model: keras.Model) -> bool:
-    return not isinstance(model, keras.Sequential) and not hasattr(model, "_nodes_by_depth")
+__all__ = ["Call", "LayerGraph", "TensorInfo", "tensor_bytes", "trainable_variables"]
 
 
 def tensor_bytes(shape: Sequence[int | None], dtype: Any, batch_size: int) -> int:
@@ -50,11 +44,6 @@ def trainable_variables(operation: Any) -> list[Any]:
     return list(getattr(operation, "trainable_variables", ()))
 
 
-def _no_mask_of_its_own(inputs: Any, previous_mask: Any = None) -> None:
-    """`compute_mask` of a segment's sub-model: its outputs carry their layers' masks."""
-    return None
-
-
 @dataclasses.dataclass
 class TensorInfo:
     """A symbolic tensor of the model's graph.
@@ -71,27 +60,40 @@ class TensorInfo:
     consumers: list[int] = dataclasses.field(default_factory=list)
     is_output: bool = False
 
-    def bytes(self, batch_size: int) -> int:
-        return tensor_bytes(self.tensor.shape, self.tensor.dtype, batch_size)
-
     @property
     def last_use(self) -> int:
         return max(self.consumers, default=self.producer)
 
 
 @dataclasses.dataclass
-class _Call:
-    layer: keras.layers.Layer | keras.Operation  # a plain op for `keras.ops` calls
+class Call:
+    """One call of the model's graph (a Keras node).
+
+    Attributes:
+        layer: the layer called, or a plain Keras operation (`keras.ops` on
+            symbolic tensors).
+        args, kwargs: the call's arguments, with `keras.KerasTensor`s for tensors.
+        inputs: ids of the KerasTensors it consumes, in argument order.
+        outputs: its symbolic outputs.
+    """
+
+    layer: keras.layers.Layer | keras.Operation
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    inputs: list[int]  # ids of the KerasTensors it consumes, in argument order
+    inputs: list[int]
     outputs: list[keras.KerasTensor]
+
+    @property
+    def tensor_args(self) -> list[keras.KerasTensor]:
+        """The distinct KerasTensors among the arguments, in argument order."""
+        flat = keras.tree.flatten((self.args, self.kwargs))
+        return list({id(t): t for t in flat if isinstance(t, keras.KerasTensor)}.values())
 
 
 class LayerGraph:
     """The calls of a Sequential or Functional model in topological order."""
 
-    def __init__(self, model: keras.Model, calls: list[_Call]) -> None:
+    def __init__(self, model: keras.Model, calls: list[Call]) -> None:
         self.model = model
         self.calls = calls
         self.sequential = isinstance(model, keras.Sequential)
@@ -110,68 +112,85 @@ class LayerGraph:
     def of(cls, model: keras.Model, *, api: str = "tfrecompute") -> LayerGraph:
         """Analyses `model`; raises a clear error for models that cannot be traced."""
         if not isinstance(model, keras.Model):
-            raise TypeError(
-                f"{api}: `model` must be a Keras Sequential or Functional model. Received: "
-                f"model={model!r} (of type {type(model).__name__}). Pass a keras.Model."
+            fail(
+                api,
+                "`model` must be a Keras Sequential or Functional model",
+                "model",
+                model,
+                "Pass a keras.Model",
+                error=TypeError,
             )
-        if _is_subclassed(model):
-            raise TypeError(
-                f"{api}: a subclassed model cannot be traced into a layer graph. Received: "
-                f"model={model.name!r} (of type {type(model).__name__}). Wrap its parts in "
-                "tfrecompute.RecomputeBlock inside the model's __init__ instead, or build it "
-                "as a Functional model."
+        if not is_functional(model):
+            fail(
+                api,
+                "a subclassed model cannot be traced into a layer graph",
+                "model",
+                model,
+                "Wrap its parts in tfrecompute.RecomputeBlock inside the model's __init__ "
+                "instead, or build it as a Functional model",
+                error=TypeError,
+                by_name=True,
             )
         if not model.built or not model.inputs:
-            raise ValueError(
-                f"{api}: the model is not built, so its layer graph is unknown. Received: "
-                f"model={model.name!r} (of type {type(model).__name__}). Give it an input "
-                "shape (keras.Input(...) as its first layer) or call model.build(input_shape)."
+            fail(
+                api,
+                "the model is not built, so its layer graph is unknown",
+                "model",
+                model,
+                "Give it an input shape (keras.Input(...) as its first layer) or call "
+                "model.build(input_shape)",
+                by_name=True,
             )
-        functional = model._functional if isinstance(model, keras.Sequential) else model
-        depths = sorted(functional._nodes_by_depth, reverse=True)
-        nodes = [node for depth in depths for node in functional._nodes_by_depth[depth]]
-        calls = []
-        for node in nodes:
-            if node.is_input:
-                continue
-            calls.append(
-                _Call(
-                    layer=node.operation,
-                    args=node.arguments.args,
-                    kwargs=node.arguments.kwargs,
-                    inputs=[id(t) for t in node.arguments.keras_tensors],
-                    outputs=list(node.outputs),
-                )
+        calls = [
+            Call(
+                layer=node.operation,
+                args=node.arguments.args,
+                kwargs=node.arguments.kwargs,
+                inputs=[id(t) for t in node.arguments.keras_tensors],
+                outputs=list(node.outputs),
             )
+            for node in functional_nodes(model)
+            if not node.is_input
+        ]
         graph = cls(model, calls)
-        for info in graph.tensors.values():
-            if None in tuple(info.tensor.shape)[1:]:
-                if info.producer < 0:
-                    made_by = "a model input"
-                    fix = (
-                        "Give the model's inputs the fixed shape you train at, e.g. "
-                        "keras.Input(shape=(128, 64)) instead of (None, 64)."
-                    )
-                else:
-                    op = graph.calls[info.producer].layer
-                    kind = "layer" if isinstance(op, keras.layers.Layer) else "op"
-                    made_by = f"{kind} {graph.names[info.producer]!r}"
-                    fix = (
-                        f"Make that {kind}'s output shape static (e.g. a fixed target shape), "
-                        "with the model's inputs of the fixed shape you train at."
-                    )
-                raise ValueError(
-                    f"{api}: every dimension but the batch must be known, since activation "
-                    f"bytes come from shapes; a tensor from {made_by} has shape "
-                    f"{tuple(info.tensor.shape)}. Received: model={model.name!r} (of type "
-                    f"{type(model).__name__}). {fix}"
-                )
         if isinstance(model, keras.Sequential):
             # The Sequential's own Input tensors stand for its functional ones.
             graph.tensors.update(
-                {id(t): graph.tensors[id(f)] for t, f in zip(model.inputs, functional.inputs)}
+                {
+                    id(t): graph.tensors[id(f)]
+                    for t, f in zip(model.inputs, functional_inputs(model))
+                }
             )
         return graph
+
+    def check_static_shapes(self, api: str) -> None:
+        """Raises unless every dimension but the batch is known (bytes come from shapes)."""
+        for info in self.tensors.values():
+            if None not in tuple(info.tensor.shape)[1:]:
+                continue
+            if info.producer < 0:
+                made_by = "a model input"
+                fix = (
+                    "Give the model's inputs the fixed shape you train at, e.g. "
+                    "keras.Input(shape=(128, 64)) instead of (None, 64)"
+                )
+            else:
+                op = self.calls[info.producer].layer
+                kind = "layer" if isinstance(op, keras.layers.Layer) else "op"
+                made_by = f"{kind} {self.names[info.producer]!r}"
+                fix = (
+                    f"Make that {kind}'s output shape static (e.g. a fixed target shape), "
+                    "with the model's inputs of the fixed shape you train at"
+                )
+            fail(
+                api,
+                "every dimension but the batch must be known, since activation bytes come "
+                f"from shapes; a tensor from {made_by} has shape {tuple(info.tensor.shape)}",
+                "model",
+                self.model,
+                fix,
+                by_name=True,
+            )
 
     def __len__(self) -> int:
         return len(self.calls)
@@ -187,16 +206,6 @@ class LayerGraph:
             names.append(call.layer.name if count == 0 else f"{call.layer.name}#{count}")
         return names
 
-    def live_after(self, index: int) -> list[TensorInfo]:
-        """Tensors alive between call `index` and call `index + 1`."""
-        return [
-            info
-            for info in self.tensors.values()
-            if info.producer <= index and (info.last_use > index or info.is_output)
-        ]
-
-    # ------------------------------------------------------------- rewrite
-
     def segment_io(self, start: int, stop: int) -> tuple[list[int], list[int]]:
         """Ids of the tensors calls [start, stop) take from before, and that others need after."""
         inputs: dict[int, None] = {}
@@ -210,92 +219,3 @@ class LayerGraph:
                 if info.is_output or info.last_use >= stop:
                     outputs[id(tensor)] = None
         return list(inputs), list(outputs)
-
-    def _replay(self, index: int, mapping: dict[int, Any]) -> None:
-        call = self.calls[index]
-
-        def substitute(value: Any) -> Any:
-            if isinstance(value, keras.KerasTensor):
-                return mapping[id(value)]
-            return value
-
-        args = keras.tree.map_structure(substitute, call.args)
-        kwargs = keras.tree.map_structure(substitute, call.kwargs)
-        outputs = keras.tree.flatten(call.layer(*args, **kwargs))
-        for original, new in zip(call.outputs, outputs):
-            mapping[id(original)] = new
-
-    def _block(
-        self, start: int, stop: int, name: str
-    ) -> tuple[RecomputeBlock, list[int], list[int]]:
-        input_ids, output_ids = self.segment_io(start, stop)
-        mapping: dict[int, Any] = {}
-        sub_inputs = []
-        for key in input_ids:
-            tensor = self.tensors[key].tensor
-            sub_input = keras.Input(batch_shape=tensor.shape, dtype=tensor.dtype)
-            mapping[key] = sub_input
-            sub_inputs.append(sub_input)
-        for index in range(start, stop):
-            self._replay(index, mapping)
-        sub_outputs = [mapping[key] for key in output_ids]
-        sub_model = keras.Model(
-            sub_inputs if len(sub_inputs) != 1 else sub_inputs[0],
-            sub_outputs if len(sub_outputs) != 1 else sub_outputs[0],
-            name=f"{name}_layers",
-        )
-        # A Functional model hands its input masks to its layers, and their
-        # output masks stay on its outputs, yet Keras warns that it "will
-        # destroy the mask" when given a masked input, as it lacks
-        # `supports_masking`. The segment's masks are its layers' own: it
-        # supports masking and adds none.
-        sub_model.supports_masking = True
-        sub_model.compute_mask = _no_mask_of_its_own
-        return RecomputeBlock(sub_model, name=name), input_ids, output_ids
-
-    def rewrite(
-        self, segments: Sequence[tuple[int, int]], *, name: str | None = None
-    ) -> keras.Model:
-        """A new model sharing this one's layers, each segment wrapped in a `RecomputeBlock`."""
-        name = name or f"{self.model.name}_recompute"
-        starts = dict(segments)
-        # Block names become TensorFlow name scopes: no "#" from a shared layer's call.
-        names = [n.replace("#", "_call") for n in self.names]
-        if self.sequential:
-            # A Sequential's graph also holds the ops its layers' masks are
-            # computed with (an Embedding's `not_equal`); the Sequential runs
-            # those itself, so only its layers are placed.
-            placed = [isinstance(c.layer, keras.layers.Layer) for c in self.calls]
-            layers: list[keras.layers.Layer] = []
-            index = 0
-            while index < len(self.calls):
-                stop = starts.get(index, index + 1)
-                members = [k for k in range(index, stop) if placed[k]]
-                if index in starts and members:
-                    block_layers = [self.calls[k].layer for k in members]
-                    block_name = f"recompute_{names[members[0]]}"
-                    layers.append(RecomputeBlock(block_layers, name=block_name))
-                else:
-                    layers += [self.calls[k].layer for k in members]
-                index = stop
-            source = self.model.inputs[0]
-            return keras.Sequential(
-                [keras.Input(batch_shape=source.shape, dtype=source.dtype), *layers], name=name
-            )
-
-        mapping: dict[int, Any] = {id(t): t for t in self.model.inputs}
-        index = 0
-        while index < len(self.calls):
-            if index not in starts:
-                self._replay(index, mapping)
-                index += 1
-                continue
-            stop = starts[index]
-            block, input_ids, output_ids = self._block(index, stop, f"recompute_{names[index]}")
-            block_inputs = [mapping[key] for key in input_ids]
-            results = block(block_inputs if len(block_inputs) != 1 else block_inputs[0])
-            for key, result in zip(output_ids, keras.tree.flatten(results)):
-                mapping[key] = result
-            index = stop
-        outputs = keras.tree.map_structure(lambda t: mapping[id(t)], self.model.output)
-        return keras.Model(self.model.input, outputs, name=name)

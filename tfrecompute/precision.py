@@ -25,126 +25,28 @@ again during backprop. Under a mixed policy (`mixed_float16`,
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any
 
 import keras
 
-from tfrecompute.layers.recompute_block import RecomputeBlock
+from tfrecompute._keras_internals import is_functional, keras_history_operation, own_variables
+from tfrecompute._messages import fail
+from tfrecompute.graph import LayerGraph
+from tfrecompute.layers import RecomputeBlock
+from tfrecompute.layers.dtypes import (
+    PrecisionFinding,
+    block_dtype_findings,
+    compute_dtype,
+    name_list,
+)
+from tfrecompute.layers.tree import children, is_input, leaves, walk
 
 __all__ = ["PrecisionFinding", "block_precision_findings", "check_precision"]
-
-Severity = Literal["error", "warning", "info"]
 
 _SIXTEEN_BIT = ("float16", "bfloat16")
 _WIDE = ("float32", "float64")
 _ORDER = {"error": 0, "warning": 1, "info": 2}
-
-
-@dataclasses.dataclass(frozen=True)
-class PrecisionFinding:
-    """One precision problem found by `check_precision`.
-
-    Attributes:
-        severity: `"error"` (training will go wrong, e.g. float16 without loss
-            scaling), `"warning"` (wasted memory or a precision mismatch) or
-            `"info"` (worth knowing, nothing to fix).
-        path: the layer concerned, as names from the model down, e.g.
-            `"model/recompute_block/dense_3"`.
-        message: what is wrong.
-        fix: how to fix it.
-
-    Example:
-
-    ```python
-    for finding in tfrecompute.check_precision(model):
-        print(finding.severity, finding.path, finding.message, finding.fix)
-    ```
-    """
-
-    severity: Severity
-    path: str
-    message: str
-    fix: str
-
-    def __str__(self) -> str:
-        return f"{self.path}: {self.message} Fix: {self.fix}"
-
-
-# ------------------------------------------------------------------ helpers
-
-
-def _describe(value: Any) -> str:
-    text = repr(value)
-    if len(text) > 80:
-        text = text[:77] + "..."
-    return f"{text} (of type {type(value).__name__})"
-
-
-def _children(layer: Any) -> list[Any]:
-    if isinstance(layer, RecomputeBlock):
-        return layer.layers
-    return list(layer._flatten_layers(include_self=False, recursive=False))
-
-
-def _is_input(layer: Any) -> bool:
-    return isinstance(layer, keras.layers.InputLayer)
-
-
-def _walk(root: Any, root_path: str) -> list[tuple[Any, str]]:
-    """Every layer under `root` once (depth first, call order), with its path."""
-    entries: list[tuple[Any, str]] = []
-    seen: set[int] = set()
-
-    def visit(layer: Any, path: str) -> None:
-        if id(layer) in seen:
-            return
-        seen.add(id(layer))
-        entries.append((layer, path))
-        for child in _children(layer):
-            visit(child, f"{path}/{child.name}")
-
-    visit(root, root_path)
-    return entries
-
-
-def _leaves(root: Any, root_path: str) -> list[tuple[Any, str]]:
-    """The layers under `root` that compute themselves (no sublayers, no inputs)."""
-    return [
-        (layer, path)
-        for layer, path in _walk(root, root_path)[1:]
-        if not _is_input(layer) and not _children(layer)
-    ]
-
-
-def _compute_dtype(layer: Any) -> str:
-    return str(keras.backend.standardize_dtype(layer.dtype_policy.compute_dtype))
-
-
-def _names(items: list[tuple[Any, str]], limit: int = 3) -> str:
-    names = [f"'{layer.name}'" for layer, _ in items[:limit]]
-    return ", ".join(names) + (f" and {len(items) - limit} more" if len(items) > limit else "")
-
-
-def _output_leaf(layer: Any) -> Any:
-    """The layer that computes the output of `layer` (through blocks and models)."""
-    for _ in range(100):  # nesting depth; guards against cycles
-        if isinstance(layer, RecomputeBlock):
-            layer = layer.layers[-1]
-        elif isinstance(layer, keras.Sequential) and layer.layers:
-            layer = layer.layers[-1]
-        elif isinstance(layer, keras.Model) and len(getattr(layer, "outputs", None) or []) == 1:
-            producer = layer.outputs[0]._keras_history.operation
-            if producer is layer or _is_input(producer):
-                return layer
-            layer = producer
-        else:
-            return layer
-    return layer
-
-
-# ------------------------------------------------------------- block checks
 
 
 def block_precision_findings(
@@ -177,128 +79,100 @@ def block_precision_findings(
     ```
     """
     if not isinstance(block, RecomputeBlock):
-        raise TypeError(
-            "block_precision_findings: `block` must be a RecomputeBlock. Received: "
-            f"block={_describe(block)}. Pass a tfrecompute.RecomputeBlock, or call "
-            "tfrecompute.check_precision(model) for a whole model."
+        fail(
+            "block_precision_findings",
+            "`block` must be a RecomputeBlock",
+            "block",
+            block,
+            "Pass a tfrecompute.RecomputeBlock, or call tfrecompute.check_precision(model) "
+            "for a whole model",
+            error=TypeError,
         )
-    path = path or block.name
-    leaves = _leaves(block, path)
-    if not leaves:
-        return []
-    by_dtype: dict[str, list[tuple[Any, str]]] = {}
-    for layer, layer_path in leaves:
-        by_dtype.setdefault(_compute_dtype(layer), []).append((layer, layer_path))
-    findings = []
-    if len(by_dtype) > 1:
-        summary = "; ".join(f"{dtype}: {_names(items)}" for dtype, items in by_dtype.items())
-        findings.append(
-            PrecisionFinding(
-                severity="warning",
-                path=path,
-                message=(
-                    f"the layers inside block '{block.name}' compute in different dtypes "
-                    f"({summary}). Parts of the block run in another precision than the "
-                    "rest, and every cast between them runs twice (forward and recompute)."
-                ),
-                fix=(
-                    "Give every layer in the block the same dtype policy, and keep layers "
-                    "that must run in float32 (e.g. a final softmax) outside the block."
-                ),
-            )
-        )
-    own = _compute_dtype(block)
-    if own not in by_dtype:
-        inner = ", ".join(by_dtype)
-        policies = sorted({layer.dtype_policy.name for layer, _ in leaves})
-        findings.append(
-            PrecisionFinding(
-                severity="warning",
-                path=path,
-                message=(
-                    f"block '{block.name}' has the dtype policy "
-                    f"'{block.dtype_policy.name}' (compute dtype {own}) but its layers "
-                    f"compute in {inner}. Keras builds the layers from {own} inputs and "
-                    f"reports the block's outputs as {own}, which is not what runs."
-                ),
-                fix=(
-                    f"Create the block with its layers' policy, e.g. "
-                    f"RecomputeBlock(layers, dtype='{policies[0]}'), or call "
-                    "keras.config.set_dtype_policy(...) before creating both."
-                ),
-            )
-        )
-    return findings
+    return block_dtype_findings(block, path or block.name)
 
 
 # ------------------------------------------------------------- model checks
 
 
-class _Graph:
-    """Where the inputs of each block come from, in Functional and Sequential models."""
+def _output_leaf(layer: Any) -> Any:
+    """The layer that computes the output of `layer` (through blocks and models)."""
+    for _ in range(100):  # nesting depth; guards against cycles
+        if isinstance(layer, (RecomputeBlock, keras.Sequential)) and layer.layers:
+            layer = layer.layers[-1]
+        elif isinstance(layer, keras.Model) and len(getattr(layer, "outputs", None) or []) == 1:
+            producer = keras_history_operation(layer.outputs[0])
+            if producer is layer or is_input(producer):
+                return layer
+            layer = producer
+        else:
+            return layer
+    return layer
+
+
+def _graph(layer: Any) -> LayerGraph | None:
+    """The layer graph of a built Functional or Sequential model; None for other layers."""
+    if not isinstance(layer, keras.Model) or not is_functional(layer) or not layer.built:
+        return None
+    try:
+        return LayerGraph.of(layer)
+    except (AttributeError, TypeError, ValueError):  # e.g. a Sequential built without inputs
+        return None
+
+
+class _Sources:
+    """Where the inputs of each block come from, read from the models' layer graphs.
+
+    A block called in a Functional or Sequential model takes tensors of that
+    model's `LayerGraph`; an input of a nested model is followed to the
+    tensors its callers pass. A block inside a list (another block's layers,
+    or a Sequential not built yet) takes the output of the layer before it.
+    """
 
     def __init__(self, entries: list[tuple[Any, str]], root: Any) -> None:
         self.paths = {id(layer): path for layer, path in entries}
         self.root = root
-        # InputLayer -> (model it feeds, index among the model's inputs).
-        self.input_owner: dict[int, tuple[Any, int]] = {}
-        # Layer -> the layer applied just before it (lists in blocks, Sequential).
+        self.graphs: list[LayerGraph] = []
+        # Layer -> the layer applied just before it, in a list of layers.
         self.previous: dict[int, Any] = {}
         for layer, _ in entries:
-            if isinstance(layer, keras.Model):
-                for index, tensor in enumerate(self._model_inputs(layer)):
-                    producer = tensor._keras_history.operation
-                    if _is_input(producer):
-                        self.input_owner[id(producer)] = (layer, index)
-            sequence = None
-            if isinstance(layer, RecomputeBlock) and isinstance(layer.unwrap(), list):
-                sequence = layer.layers
-            elif isinstance(layer, keras.Sequential):
-                sequence = layer.layers
-            for before, after in zip(sequence or [], (sequence or [])[1:]):
-                self.previous.setdefault(id(after), before)
-
-    @staticmethod
-    def _model_inputs(model: Any) -> list[Any]:
-        try:
-            return list(keras.tree.flatten(model.inputs or []))
-        except (AttributeError, ValueError):  # a subclassed or unbuilt model
-            return []
+            graph = _graph(layer)
+            if graph is not None:
+                self.graphs.append(graph)
+            elif isinstance(layer, (RecomputeBlock, keras.Sequential)):
+                sequence = list(layer.layers)
+                for before, after in zip(sequence, sequence[1:]):
+                    self.previous.setdefault(id(after), before)
+        # A layer -> the (graph, call) pairs that call it.
+        self.callers: dict[int, list[tuple[LayerGraph, Any]]] = {}
+        for graph in self.graphs:
+            for call in graph.calls:
+                self.callers.setdefault(id(call.layer), []).append((graph, call))
 
     def path(self, layer: Any) -> str:
         return self.paths.get(id(layer), getattr(layer, "name", str(layer)))
 
-    def sources(self, block: RecomputeBlock) -> Iterator[tuple[Any, str, bool]]:
+    def of(self, block: RecomputeBlock) -> Iterator[tuple[Any, str, bool]]:
         """(producer, dtype, is_model_input) for each tensor fed to `block`."""
         seen: set[int] = set()
-        for node in getattr(block, "_inbound_nodes", []):
-            for tensor in node.arguments.keras_tensors:
-                yield from self._resolve(tensor, seen, depth=0)
+        for graph, call in self.callers.get(id(block), []):
+            for tensor in call.tensor_args:
+                yield from self._resolve(graph, tensor, seen, depth=0)
         before = self.previous.get(id(block))
         if before is not None and id(before) not in seen:
             seen.add(id(before))
             leaf = _output_leaf(before)
-            yield leaf, _compute_dtype(leaf), False
+            yield leaf, compute_dtype(leaf), False
 
-    def _resolve(self, tensor: Any, seen: set[int], depth: int) -> Iterator[tuple[Any, str, bool]]:
-        history = getattr(tensor, "_keras_history", None)
-        if history is None or depth > 50:
+    def _resolve(
+        self, graph: LayerGraph, tensor: Any, seen: set[int], depth: int
+    ) -> Iterator[tuple[Any, str, bool]]:
+        info = graph.tensors.get(id(tensor))
+        if info is None or depth > 50:
             return
-        producer = history.operation
-        if _is_input(producer):
-            owner = self.input_owner.get(id(producer))
-            nodes = getattr(owner[0], "_inbound_nodes", []) if owner else []
-            if owner is not None and owner[0] is not self.root and nodes:
-                # The input of a nested model: follow it to the outer graph.
-                for node in nodes:
-                    outer = node.arguments.keras_tensors
-                    if owner[1] < len(outer):
-                        yield from self._resolve(outer[owner[1]], seen, depth + 1)
-                return
-            if id(producer) not in seen:
-                seen.add(id(producer))
-                yield producer, str(keras.backend.standardize_dtype(tensor.dtype)), True
+        if info.producer < 0:
+            yield from self._model_input(graph, tensor, seen, depth)
             return
+        producer = graph.calls[info.producer].layer
         if id(producer) in seen:
             return
         seen.add(id(producer))
@@ -306,21 +180,39 @@ class _Graph:
             # Keras reports a container's output dtype from its own policy;
             # the layer computing the output knows the real one.
             leaf = _output_leaf(producer)
-            yield leaf, _compute_dtype(leaf), False
+            yield leaf, compute_dtype(leaf), False
         else:
             yield producer, str(keras.backend.standardize_dtype(tensor.dtype)), False
 
+    def _model_input(
+        self, graph: LayerGraph, tensor: Any, seen: set[int], depth: int
+    ) -> Iterator[tuple[Any, str, bool]]:
+        """An input of `graph`'s model: followed to its callers' tensors if it is nested."""
+        inputs = [id(t) for t in keras.tree.flatten(graph.model.inputs)]
+        callers = self.callers.get(id(graph.model), []) if graph.model is not self.root else []
+        if id(tensor) in inputs and callers:
+            index = inputs.index(id(tensor))
+            for outer, call in callers:
+                if index < len(call.inputs):
+                    outer_tensor = outer.tensors[call.inputs[index]].tensor
+                    yield from self._resolve(outer, outer_tensor, seen, depth + 1)
+            return
+        producer = keras_history_operation(tensor)
+        if producer is not None and id(producer) not in seen:
+            seen.add(id(producer))
+            yield producer, str(keras.backend.standardize_dtype(tensor.dtype)), True
+
 
 def _checkpoint_findings(
-    block: RecomputeBlock, path: str, graph: _Graph
+    block: RecomputeBlock, path: str, sources: _Sources
 ) -> Iterator[PrecisionFinding]:
-    leaves = _leaves(block, path)
-    if not leaves:
+    inside = leaves(block, path)
+    if not inside:
         return
-    inner = _compute_dtype(leaves[0][0])
+    inner = compute_dtype(inside[0][0])
     if inner not in _SIXTEEN_BIT:
         return
-    for producer, dtype, is_model_input in graph.sources(block):
+    for producer, dtype, is_model_input in sources.of(block):
         if dtype not in _WIDE:
             continue
         if is_model_input:
@@ -340,7 +232,7 @@ def _checkpoint_findings(
                 ),
             )
         else:
-            producer_path = graph.path(producer)
+            producer_path = sources.path(producer)
             policy = getattr(producer, "dtype_policy", None)
             what = f"policy '{policy.name}'" if policy is not None else "an op, not a layer"
             yield PrecisionFinding(
@@ -361,41 +253,48 @@ def _checkpoint_findings(
             )
 
 
+def _no_float16_findings(
+    model: Any, path: str, leaves: list[tuple[Any, str]], scaled: bool
+) -> Iterator[PrecisionFinding]:
+    """Findings without float16 layers: an unused mixed policy, needless loss scaling."""
+    global_policy = keras.config.dtype_policy().name
+    if global_policy.startswith("mixed_") and not any(
+        compute_dtype(layer) in _SIXTEEN_BIT for layer, _ in leaves
+    ):
+        yield PrecisionFinding(
+            severity="warning",
+            path=path,
+            message=(
+                f"the global dtype policy is '{global_policy}' but every layer of "
+                f"'{model.name}' computes in 32-bit (created before the policy was set, "
+                "or with an explicit dtype), so the model trains in full precision."
+            ),
+            fix=(
+                f"Call keras.config.set_dtype_policy('{global_policy}') before creating "
+                "the layers, or pass dtype='<policy>' to each layer."
+            ),
+        )
+    if scaled:
+        yield PrecisionFinding(
+            severity="info",
+            path=path,
+            message=(
+                "the optimizer is a LossScaleOptimizer but no layer computes in "
+                "float16; bfloat16 and float32 gradients do not need loss scaling."
+            ),
+            fix="Use the inner optimizer directly (optimizer.inner_optimizer).",
+        )
+
+
 def _loss_scale_findings(
     model: Any, path: str, leaves: list[tuple[Any, str]], optimizer: Any, compiled: bool
 ) -> Iterator[PrecisionFinding]:
-    float16 = [(layer, p) for layer, p in leaves if _compute_dtype(layer) == "float16"]
+    float16 = [(layer, p) for layer, p in leaves if compute_dtype(layer) == "float16"]
     scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-    global_policy = keras.config.dtype_policy().name
     if not float16:
-        if global_policy.startswith("mixed_") and not any(
-            _compute_dtype(layer) in _SIXTEEN_BIT for layer, _ in leaves
-        ):
-            yield PrecisionFinding(
-                severity="warning",
-                path=path,
-                message=(
-                    f"the global dtype policy is '{global_policy}' but every layer of "
-                    f"'{model.name}' computes in 32-bit (created before the policy was set, "
-                    "or with an explicit dtype), so the model trains in full precision."
-                ),
-                fix=(
-                    f"Call keras.config.set_dtype_policy('{global_policy}') before creating "
-                    "the layers, or pass dtype='<policy>' to each layer."
-                ),
-            )
-        if scaled:
-            yield PrecisionFinding(
-                severity="info",
-                path=path,
-                message=(
-                    "the optimizer is a LossScaleOptimizer but no layer computes in "
-                    "float16; bfloat16 and float32 gradients do not need loss scaling."
-                ),
-                fix="Use the inner optimizer directly (optimizer.inner_optimizer).",
-            )
+        yield from _no_float16_findings(model, path, leaves, scaled)
         return
-    where = f"{len(float16)} layer(s) compute in float16 (e.g. {_names(float16)})"
+    where = f"{len(float16)} layer(s) compute in float16 (e.g. {name_list(float16)})"
     if optimizer is None:
         if model.dtype_policy.name == "mixed_float16":
             yield PrecisionFinding(
@@ -440,11 +339,11 @@ def _loss_scale_findings(
 def _variable_findings(entries: list[tuple[Any, str]]) -> Iterator[PrecisionFinding]:
     unbuilt = []
     for layer, path in entries:
-        if _is_input(layer):
+        if is_input(layer):
             continue
-        if not _children(layer) and not layer.built:
+        if not children(layer) and not layer.built:
             unbuilt.append((layer, path))
-        own = list(layer._trainable_variables) + list(layer._non_trainable_variables)
+        own = own_variables(layer)
         wrong = [
             v
             for v in own
@@ -473,7 +372,7 @@ def _variable_findings(entries: list[tuple[Any, str]]) -> Iterator[PrecisionFind
             severity="info",
             path=entries[0][1],
             message=(
-                f"{len(unbuilt)} layer(s) are not built yet (e.g. {_names(unbuilt)}), so "
+                f"{len(unbuilt)} layer(s) are not built yet (e.g. {name_list(unbuilt)}), so "
                 "their variables could not be checked."
             ),
             fix="Call the model on a batch (model(x[:1])) before checking.",
@@ -521,15 +420,23 @@ def check_precision(model: keras.layers.Layer, *, optimizer: Any = None) -> list
     ```
     """
     if not isinstance(model, keras.layers.Layer):
-        raise TypeError(
-            "check_precision: `model` must be a Keras model or layer. Received: "
-            f"model={_describe(model)}. Pass a keras.Model (or a keras.layers.Layer)."
+        fail(
+            "check_precision",
+            "`model` must be a Keras model or layer",
+            "model",
+            model,
+            "Pass a keras.Model (or a keras.layers.Layer)",
+            error=TypeError,
         )
     if optimizer is not None and not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise TypeError(
-            "check_precision: `optimizer` must be a Keras optimizer or None. Received: "
-            f"optimizer={_describe(optimizer)}. Pass an instance such as "
-            "keras.optimizers.Adam(), or None to use the compiled model's optimizer."
+        fail(
+            "check_precision",
+            "`optimizer` must be a Keras optimizer or None",
+            "optimizer",
+            optimizer,
+            "Pass an instance such as keras.optimizers.Adam(), or None to use the compiled "
+            "model's optimizer",
+            error=TypeError,
         )
     compiled = False
     if optimizer is None:
@@ -537,20 +444,18 @@ def check_precision(model: keras.layers.Layer, *, optimizer: Any = None) -> list
         compiled = optimizer is not None
 
     root_path = model.name
-    entries = _walk(model, root_path)
-    leaves = [
-        (layer, p) for layer, p in entries[1:] if not _is_input(layer) and not _children(layer)
-    ]
-    if not leaves and not _is_input(model):
+    entries = walk(model, root_path)
+    leaves = [(layer, p) for layer, p in entries[1:] if not is_input(layer) and not children(layer)]
+    if not leaves and not is_input(model):
         leaves = [(model, root_path)]
-    graph = _Graph(entries, model)
+    sources = _Sources(entries, model)
 
     findings: list[PrecisionFinding] = []
     findings += _loss_scale_findings(model, root_path, leaves, optimizer, compiled)
     for layer, path in entries:
         if isinstance(layer, RecomputeBlock):
             findings += block_precision_findings(layer, path=path)
-            findings += _checkpoint_findings(layer, path, graph)
+            findings += _checkpoint_findings(layer, path, sources)
     mixed = keras.config.dtype_policy().name.startswith("mixed_") or any(
         layer.dtype_policy.name.startswith("mixed_") for layer, _ in entries
     )

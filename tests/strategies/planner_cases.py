@@ -9,7 +9,7 @@ from fractions import Fraction
 from hypothesis import strategies as hs
 
 from tfrecompute.strategies import Chain
-from tfrecompute.strategies.memory import estimate
+from tfrecompute.strategies.simulate import estimate
 
 Segments = tuple[tuple[int, int], ...]
 
@@ -96,10 +96,10 @@ def random_chain(rng: random.Random, n: int, *, scale: int = 1) -> Chain:
         workspace_bytes=workspace,
         overhead_bytes=rng.choice([0, 3]) * scale,
         carries=random_carries(rng, n, [s * scale for s in (0, 1, 3, 8, 20, 40)]),
-        grad_bytes=[rng.choice([0, 0, 1, 3]) * scale for _ in range(n)],
+        kept_grad_bytes=[rng.choice([0, 0, 1, 3]) * scale for _ in range(n)],
         carry_grads=random_carries(rng, n, [s * scale for s in (0, 2, 5, 12)]),
         input_grad_bytes=[rng.choice([a, a, a // 2, 0]) for a in activations],
-        update_grad_bytes=[rng.choice([0, 0, 2, 5]) * scale for _ in range(n)],
+        applied_grad_bytes=[rng.choice([0, 0, 2, 5]) * scale for _ in range(n)],
         input_copy_bytes=[rng.choice([a, 0]) for a in activations],
         update_workspace_bytes=rng.choice([0, 0, 4, 30]) * scale,
     )
@@ -124,9 +124,9 @@ def wide_chain(rng: random.Random, n: int, *, skips: bool = False) -> Chain:
         [rng.uniform(0.1, 10.0) for _ in range(n)],
         workspace_bytes=[rng.randrange(0, o) if rng.random() < 0.5 else 0 for o in outputs],
         carries=carries,
-        grad_bytes=[rng.randrange(0, 1 << 20) for _ in range(n)] if skips else None,
+        kept_grad_bytes=[rng.randrange(0, 1 << 20) for _ in range(n)] if skips else None,
         carry_grads=carries,
-        update_grad_bytes=None if skips else [rng.randrange(0, 1 << 21) for _ in range(n)],
+        applied_grad_bytes=None if skips else [rng.randrange(0, 1 << 21) for _ in range(n)],
         input_copy_bytes=[first, *outputs[:-1]] if skips else None,
         update_workspace_bytes=rng.randrange(0, 1 << 22) if skips else 0,
     )
@@ -172,10 +172,10 @@ def chains(draw: hs.DrawFn, *, max_layers: int = 8, min_layers: int = 1) -> Chai
         workspace_bytes=workspace,
         overhead_bytes=draw(hs.sampled_from([0, 0, 5])),
         carries=carries,
-        grad_bytes=grads,
+        kept_grad_bytes=grads,
         carry_grads=carry_grads,
         input_grad_bytes=input_grads,
-        update_grad_bytes=updates,
+        applied_grad_bytes=updates,
         input_copy_bytes=copies,
         update_workspace_bytes=draw(hs.sampled_from([0, 0, 6, 50])),
     )

@@ -25,7 +25,7 @@ def test_defaults() -> None:
     assert chain.workspace_bytes == (0, 0)
     assert chain.backward_cost == (2.0, 3.0)
     assert chain.overhead_bytes == 0
-    assert chain.names == ("layer_0", "layer_1")
+    assert chain.names == ("link_0", "link_1")
     assert chain.total_forward_cost == 2.5
     assert [chain.activation_bytes(i) for i in range(3)] == [1, 2, 3]
 
@@ -56,11 +56,13 @@ def test_carries_and_grad_bytes() -> None:
         [2, 3, 4, 5],
         [1.0] * 4,
         carries=[[1, 4, np.int64(7)], (0, 2, 3), (0, 2, 1.0)],
-        grad_bytes=np.array([1, 0, 2, 0]),
+        kept_grad_bytes=np.array([1, 0, 2, 0]),
     )
     assert chain.carries == ((0, 2, 1), (0, 2, 3), (1, 4, 7))  # sorted tuples of ints
     assert all(type(x) is int for carry in chain.carries for x in carry)
-    assert chain.grad_bytes == (1, 0, 2, 0) and all(type(x) is int for x in chain.grad_bytes)
+    assert chain.kept_grad_bytes == (1, 0, 2, 0) and all(
+        type(x) is int for x in chain.kept_grad_bytes
+    )
     # C(s, e): carries made by layers s..e-2 and used at or after layer e.
     assert chain.carried_bytes(0, 2) == 4  # both (0, 2, .) carries, made by layer 0 < 1
     # (0, 2, .) are used last by layer 2 < 3; (1, 4, 7) is made by layer 1 < 2, used at 4.
@@ -68,11 +70,16 @@ def test_carries_and_grad_bytes() -> None:
     assert chain.carried_bytes(1, 4) == 7 and chain.carried_bytes(2, 4) == 0
     assert chain.carried_bytes(0, 1) == 0 and chain.carried_bytes(0, 4) == 7
     plain = Chain(1, [2], [2], [1.0])
-    assert plain.carries == () and plain.grad_bytes == (0,)
-    assert plain != Chain(1, [2], [2], [1.0], grad_bytes=[5])
+    assert plain.carries == () and plain.kept_grad_bytes == (0,)
+    assert plain != Chain(1, [2], [2], [1.0], kept_grad_bytes=[5])
     assert hash(chain) == hash(
         Chain(
-            1, [2, 3, 4, 5], [2, 3, 4, 5], [1.0] * 4, carries=chain.carries, grad_bytes=[1, 0, 2, 0]
+            1,
+            [2, 3, 4, 5],
+            [2, 3, 4, 5],
+            [1.0] * 4,
+            carries=chain.carries,
+            kept_grad_bytes=[1, 0, 2, 0],
         )
     )
 
@@ -103,15 +110,15 @@ GOOD = dict(input_bytes=1, output_bytes=[2, 3], saved_bytes=[2, 5], forward_cost
         (
             {"output_bytes": []},
             ValueError,
-            r"Chain: a chain needs at least one layer\. "
-            r"Received: output_bytes=\[\] \(of type list\)\. Pass one entry per layer\.",
+            r"Chain: a chain needs at least one link\. "
+            r"Received: output_bytes=\[\] \(of type list\)\. Pass one entry per link\.",
         ),
         (
             {"saved_bytes": [2, 5, 1]},
             ValueError,
-            r"Chain: saved_bytes has 3 entries but the chain has 2 layers \(the length of "
+            r"Chain: saved_bytes has 3 entries but the chain has 2 links \(the length of "
             r"output_bytes\)\. Received: saved_bytes=\[2, 5, 1\] \(of type list\)\. Pass one "
-            r"entry per layer in every per-layer sequence\.",
+            r"entry per link in every per-link sequence\.",
         ),
         ({"forward_cost": [1.0]}, ValueError, r"forward_cost has 1 entries but the chain has 2"),
         ({"workspace_bytes": [0]}, ValueError, r"workspace_bytes has 1 entries"),
@@ -146,7 +153,7 @@ GOOD = dict(input_bytes=1, output_bytes=[2, 3], saved_bytes=[2, 5], forward_cost
         (
             {"output_bytes": "23"},
             TypeError,
-            r"output_bytes must be a sequence with one entry per layer.*of type str",
+            r"output_bytes must be a sequence with one entry per link.*of type str",
         ),
         ({"output_bytes": 3}, TypeError, r"output_bytes must be a sequence"),
         (
@@ -165,30 +172,38 @@ GOOD = dict(input_bytes=1, output_bytes=[2, 3], saved_bytes=[2, 5], forward_cost
             {"names": ["a", "a"]},
             ValueError,
             r"Chain: names\[1\] repeats names\[0\]\. Received: "
-            r"names\[1\]='a' \(of type str\)\. Give every layer a unique name\.",
+            r"names\[1\]='a' \(of type str\)\. Give every link a unique name\.",
         ),
         ({"names": ["a", 3]}, TypeError, r"names\[1\] is not a string"),
         ({"names": ["a", ""]}, ValueError, r"names\[1\] is empty"),
-        ({"grad_bytes": [1]}, ValueError, r"^Chain: grad_bytes has 1 entries but the chain has 2"),
         (
-            {"grad_bytes": [1, -2]},
+            {"kept_grad_bytes": [1]},
             ValueError,
-            r"^Chain: grad_bytes\[1\] must not be negative\. Received: grad_bytes\[1\]=-2 "
-            r"\(of type int\)\. Pass an int >= 0\.$",
-        ),
-        ({"grad_bytes": [1, 0.5]}, ValueError, r"grad_bytes\[1\] must be a finite whole number"),
-        ({"grad_bytes": 3}, TypeError, r"^Chain: grad_bytes must be a sequence"),
-        (
-            {"update_grad_bytes": [1]},
-            ValueError,
-            r"^Chain: update_grad_bytes has 1 entries but the chain has 2",
+            r"^Chain: kept_grad_bytes has 1 entries but the chain has 2",
         ),
         (
-            {"update_grad_bytes": [-1, 0]},
+            {"kept_grad_bytes": [1, -2]},
             ValueError,
-            r"^Chain: update_grad_bytes\[0\] must not be negative",
+            r"^Chain: kept_grad_bytes\[1\] must not be negative\. "
+            r"Received: kept_grad_bytes\[1\]=-2 \(of type int\)\. Pass an int >= 0\.$",
         ),
-        ({"update_grad_bytes": 3}, TypeError, r"^Chain: update_grad_bytes must be a sequence"),
+        (
+            {"kept_grad_bytes": [1, 0.5]},
+            ValueError,
+            r"kept_grad_bytes\[1\] must be a finite whole number",
+        ),
+        ({"kept_grad_bytes": 3}, TypeError, r"^Chain: kept_grad_bytes must be a sequence"),
+        (
+            {"applied_grad_bytes": [1]},
+            ValueError,
+            r"^Chain: applied_grad_bytes has 1 entries but the chain has 2",
+        ),
+        (
+            {"applied_grad_bytes": [-1, 0]},
+            ValueError,
+            r"^Chain: applied_grad_bytes\[0\] must not be negative",
+        ),
+        ({"applied_grad_bytes": 3}, TypeError, r"^Chain: applied_grad_bytes must be a sequence"),
     ],
 )
 def test_validation_errors(changes: dict[str, object], error: type[Exception], match: str) -> None:
@@ -209,9 +224,9 @@ def test_validation_errors(changes: dict[str, object], error: type[Exception], m
         (
             {"n": 0, "activation_bytes": 1},
             ValueError,
-            r"Chain\.homogeneous: n must be at least 1\. Received: n=0 \(of type int\)",
+            r"Chain\.homogeneous: `n` must be at least 1\. Received: n=0 \(of type int\)",
         ),
-        ({"n": 2.0, "activation_bytes": 1}, TypeError, r"Chain\.homogeneous: n must be an int"),
+        ({"n": 2.0, "activation_bytes": 1}, TypeError, r"Chain\.homogeneous: `n` must be an int"),
         ({"n": 2, "activation_bytes": -1}, ValueError, r"activation_bytes must not be negative"),
         ({"n": 2, "activation_bytes": 1, "cost": -1.0}, ValueError, r"cost must not be negative"),
     ],
@@ -231,16 +246,16 @@ FOUR = dict(input_bytes=1, output_bytes=[1] * 4, saved_bytes=[1] * 4, forward_co
             [(0, 3, 8), (1, 2, 8)],
             ValueError,
             r"^Chain: carries\[1\] has last_consumer 2, outside 3\.\.4; a carry skips at least "
-            r"one layer and last_consumer=n means needed until the end\. Received: "
+            r"one link and last_consumer=n means needed until the end\. Received: "
             r"carries\[1\]=\(1, 2, 8\) \(of type tuple\)\. Keep producer \+ 2 <= last_consumer "
-            r"<= n \(a tensor used only by the next layer is its output, not a carry\)\.$",
+            r"<= n \(a tensor used only by the next link is its output, not a carry\)\.$",
         ),
         ([(0, 5, 8)], ValueError, r"^Chain: carries\[0\] has last_consumer 5, outside 2\.\.4"),
         ([(3, 4, 8)], ValueError, r"^Chain: carries\[0\] has last_consumer 4, outside 5\.\.4"),
         (
             [(-1, 2, 8)],
             ValueError,
-            r"^Chain: carries\[0\] has producer -1, outside the chain's layers 0\.\.3\. "
+            r"^Chain: carries\[0\] has producer -1, outside the chain's links 0\.\.3\. "
             r"Received: carries\[0\]=\(-1, 2, 8\) \(of type tuple\)\. Keep 0 <= producer <= 2\.$",
         ),
         ([(4, 6, 8)], ValueError, r"^Chain: carries\[0\] has producer 4, outside"),
@@ -322,7 +337,7 @@ def test_input_copy_bytes_default_to_zeros_and_are_compared() -> None:
 
 def test_update_workspace_counts_at_layer_0s_backward_only() -> None:
     """The optimizer's copies at the step's end, folded into layer 0's backward."""
-    plain = Chain(3, [4, 5, 6], [4, 5, 6], [1.0] * 3, grad_bytes=[2, 2, 2])
+    plain = Chain(3, [4, 5, 6], [4, 5, 6], [1.0] * 3, kept_grad_bytes=[2, 2, 2])
     assert plain.update_workspace_bytes == 0
     copying = dataclasses.replace(plain, update_workspace_bytes=9)
     assert copying != plain
@@ -340,9 +355,9 @@ def test_update_workspace_counts_at_layer_0s_backward_only() -> None:
 
 def test_update_grad_bytes_default_to_zeros_and_are_compared() -> None:
     chain = Chain(3, [4, 5, 6], [4, 5, 6], [1.0] * 3)
-    assert chain.update_grad_bytes == (0, 0, 0)
-    applied = Chain(3, [4, 5, 6], [4, 5, 6], [1.0] * 3, update_grad_bytes=[2, 0, 7])
-    assert applied.update_grad_bytes == (2, 0, 7) and applied != chain
+    assert chain.applied_grad_bytes == (0, 0, 0)
+    applied = Chain(3, [4, 5, 6], [4, 5, 6], [1.0] * 3, applied_grad_bytes=[2, 0, 7])
+    assert applied.applied_grad_bytes == (2, 0, 7) and applied != chain
     # Applied gradients are not kept until the step's end: live_gradients leaves them out.
     assert applied.live_gradients() == chain.live_gradients()
 

@@ -74,7 +74,7 @@ def test_a_large_carry_inside_a_segment_counts_in_the_search() -> None:
         [1, 1, 5, 5],
         [1.0, 0.5, 3.0, 1.0],
         carries=[(0, 2, 30)],
-        grad_bytes=[1, 1, 0, 0],
+        kept_grad_bytes=[1, 1, 0, 0],
     )
     assert not _solver.Problem.from_chain(chain).forward_dominated
     table = brute_force(chain)
@@ -88,7 +88,7 @@ def test_optimal_on_a_residual_chain_by_hand() -> None:
     # 1 byte of parameter gradients (G_0 = 8). Storing everything: at the backward
     # of layer 7, held 10 + 8 * 10 = 90, plus 2 gradients and G_7 = 1: 111.
     carries = [(i, i + 2, 10) for i in range(7)]
-    chain = Chain(10, [10] * 8, [10] * 8, [1.0] * 8, carries=carries, grad_bytes=[1] * 8)
+    chain = Chain(10, [10] * 8, [10] * 8, [1.0] * 8, carries=carries, kept_grad_bytes=[1] * 8)
     assert none(chain).peak_bytes == 111
     # One segment [s, e) with e - s >= 2 also holds the carry of layer e - 2 (used at
     # layer e): h = 20 instead of 10, so a segment of k layers saves (k - 2) * 10 bytes.
@@ -135,7 +135,7 @@ def test_budget_of_store_all_costs_nothing(seed: int, n: int) -> None:
 def test_a_peak_made_of_applied_gradients_alone_is_planned() -> None:
     # Nothing but applied parameter gradients: the solver's bound on any peak
     # must count them too.
-    chain = Chain(0, [0, 0], [0, 0], [0.0, 0.0], update_grad_bytes=[0, 3])
+    chain = Chain(0, [0, 0], [0, 0], [0.0, 0.0], applied_grad_bytes=[0, 3])
     assert min_peak(chain) == none(chain).peak_bytes == 3
     assert optimal(chain, 3).peak_bytes == 3
 
@@ -251,7 +251,7 @@ def test_costs_too_fine_for_64_bits_are_rounded_within_a_tiny_error(
     assert not _solver.Problem.from_chain(chain).exact_costs
     budget = (min_peak(chain) + none(chain).peak_bytes) // 2
     rounded = optimal(chain, budget, max_work=None)
-    monkeypatch.setattr(_solver, "EXACT_OBJECT_LAYERS", 1000)  # force exact Python ints
+    monkeypatch.setattr(_solver, "EXACT_OBJECT_LINKS", 1000)  # force exact Python ints
     assert _solver.Problem.from_chain(chain).exact_costs
     exact = optimal(chain, budget, max_work=None)
     assert rounded.peak_bytes <= budget and rounded.proven_optimal

@@ -25,8 +25,9 @@ def test_from_segments_uses_simulate() -> None:
     assert plan.segments == ((0, 3), (5, 6))
     assert (plan.peak_bytes, plan.recompute_cost) == simulate(chain, plan.segments)
     assert plan.strategy == "manual" and not plan.proven_optimal
-    assert plan.recomputed_layers == (0, 1, 2, 5)
-    assert plan.timeline()[-1].layer == 0
+    assert plan.recomputed_links == (0, 1, 2, 5)
+    assert plan.recomputed_layers == plan.recomputed_links  # the older name
+    assert plan.timeline()[-1].link == 0
     assert Plan.from_segments(chain, [], strategy="mine").strategy == "mine"
 
 
@@ -63,8 +64,8 @@ def test_summary_rows_and_totals() -> None:
     plan = Plan.from_segments(chain, [(0, 3), (3, 4), (6, 10)], strategy="optimal")
     text = plan.summary()
     lines = text.splitlines()
-    assert lines[0] == "Plan 'optimal' for a chain of 10 layers"
-    assert lines[1].split() == ["layers", "names", "mode", "held", "recompute", "cost"]
+    assert lines[0] == "Plan 'optimal' for a chain of 10 links"
+    assert lines[1].split() == ["links", "names", "mode", "held", "recompute", "cost"]
     # One row per segment and per run of stored layers.
     assert lines[2].split() == [
         "0-2",
@@ -72,7 +73,7 @@ def test_summary_rows_and_totals() -> None:
         "…",
         "dense_2",
         "(3",
-        "layers)",
+        "links)",
         "recomputed",
         "3.00",
         "KiB",
@@ -124,7 +125,7 @@ def test_summary_marks_proven_plans_and_zero_cost_chains() -> None:
             {"segments": [(0, 11)]},
             ValueError,
             r"^Plan: segment \(0, 11\) is outside the chain's "
-            r"layers 0\.\.9\. Received: segments=\[\(0, 11\)\] \(of type list\)",
+            r"links 0\.\.9\. Received: segments=\[\(0, 11\)\] \(of type list\)",
         ),
         ({"segments": [(3, 1)]}, ValueError, r"^Plan: segment \(3, 1\) is empty"),
         (

@@ -79,7 +79,9 @@ def test_workspace_and_overhead_by_hand() -> None:
 # Chain D: chain B's shape with x0 = 2 bytes, saved bytes 8, 8, 4, a residual
 # carry (layer 0's output, 4 bytes, used last by layer 2) and parameter
 # gradients of 1, 2, 3 bytes: G_0 = 6, G_1 = 5, G_2 = 3, G_3 = 0.
-CHAIN_D = Chain(2, [4, 4, 4], [8, 8, 4], [1.0, 1.0, 1.0], carries=[(0, 2, 4)], grad_bytes=[1, 2, 3])
+CHAIN_D = Chain(
+    2, [4, 4, 4], [8, 8, 4], [1.0, 1.0, 1.0], carries=[(0, 2, 4)], kept_grad_bytes=[1, 2, 3]
+)
 
 
 def test_carry_and_gradients_when_storing_everything_by_hand() -> None:
@@ -130,7 +132,7 @@ def test_carry_gradient_lives_from_consumer_to_producer_by_hand() -> None:
         [8, 8, 4],
         [1.0] * 3,
         carries=[(0, 2, 4)],
-        grad_bytes=[1, 2, 3],
+        kept_grad_bytes=[1, 2, 3],
         carry_grads=[(0, 2, 5)],
     )
     assert chain.live_gradients() == ((6, 10, 8), (6, 5, 8, 0))
@@ -144,9 +146,9 @@ def test_carry_gradient_lives_from_consumer_to_producer_by_hand() -> None:
 def test_input_gradient_counts_only_what_the_layer_reads() -> None:
     # Chain D where layer 1 reads none of x_1 (it reads a carry instead, whose
     # gradient the carry gradients count): its backward moments lose a_1 = 4.
-    full = Chain(2, [4, 4, 4], [8, 8, 4], [1.0] * 3, grad_bytes=[1, 2, 3])
+    full = Chain(2, [4, 4, 4], [8, 8, 4], [1.0] * 3, kept_grad_bytes=[1, 2, 3])
     skip = Chain(
-        2, [4, 4, 4], [8, 8, 4], [1.0] * 3, grad_bytes=[1, 2, 3], input_grad_bytes=[2, 0, 4]
+        2, [4, 4, 4], [8, 8, 4], [1.0] * 3, kept_grad_bytes=[1, 2, 3], input_grad_bytes=[2, 0, 4]
     )
     moments = [e.live_bytes for e in timeline(full, [])]
     assert [e.live_bytes for e in timeline(skip, [])] == [*moments[:4], moments[4] - 4, moments[5]]
@@ -160,7 +162,7 @@ def test_applied_gradients_live_for_the_lag_or_until_their_segment_ends_by_hand(
     # Five 10-byte layers; layer i makes u_i applied gradient bytes, alive through
     # the backward passes of the next UPDATE_LAG = 2 layers.
     plain = Chain.homogeneous(5, activation_bytes=10)
-    chain = Chain(10, [10] * 5, [10] * 5, [1.0] * 5, update_grad_bytes=[1, 2, 4, 8, 16])
+    chain = Chain(10, [10] * 5, [10] * 5, [1.0] * 5, applied_grad_bytes=[1, 2, 4, 8, 16])
     assert Chain.UPDATE_LAG == 2
 
     def extra(segments: list[tuple[int, int]]) -> list[int]:
@@ -199,7 +201,9 @@ def test_the_input_copy_lives_through_a_segments_recompute_and_backward_by_hand(
 
 def test_a_large_carry_sets_the_peak_in_a_forward_moment() -> None:
     # Chain D with a 40-byte carry (larger than anything its producer saves).
-    chain = Chain(2, [4, 4, 4], [8, 8, 4], [1.0] * 3, carries=[(0, 2, 40)], grad_bytes=[1, 2, 3])
+    chain = Chain(
+        2, [4, 4, 4], [8, 8, 4], [1.0] * 3, carries=[(0, 2, 40)], kept_grad_bytes=[1, 2, 3]
+    )
     assert simulate(chain, []).peak_bytes == 33  # stored: part of saved_0, as in chain D
     # [0, 3): forward j=2: 2 + C(0,2) 40 + a_2 4 + a_3 4 = 50, above every backward moment.
     events = timeline(chain, [(0, 3)])
@@ -242,15 +246,15 @@ def test_simulate_is_the_max_of_timeline(chain: Chain, data: hs.DataObject) -> N
     recomputed = [j for s, e in segments for j in range(s, e)]
     assert estimate.recompute_cost == math.fsum(chain.forward_cost[j] for j in recomputed)
     assert len(events) == 2 * chain.n + len(recomputed)
-    assert [e.layer for e in events if e.phase == "forward"] == list(range(chain.n))
-    assert sorted(e.layer for e in events if e.phase == "recompute") == recomputed
-    assert sorted(e.layer for e in events if e.phase == "backward") == list(range(chain.n))
+    assert [e.link for e in events if e.phase == "forward"] == list(range(chain.n))
+    assert sorted(e.link for e in events if e.phase == "recompute") == recomputed
+    assert sorted(e.link for e in events if e.phase == "backward") == list(range(chain.n))
     # The step-end moment (input held, every parameter gradient live) is folded into
     # the backward of layer 0, which is never below it.
     assert events[-1][:2] == ("backward", 0)
     lag = min(chain.n, Chain.UPDATE_LAG)
-    end = chain.overhead_bytes + chain.input_bytes + sum(chain.grad_bytes)
-    end += sum(chain.update_grad_bytes[:lag])  # V_0: the applied gradients still alive
+    end = chain.overhead_bytes + chain.input_bytes + sum(chain.kept_grad_bytes)
+    end += sum(chain.applied_grad_bytes[:lag])  # V_0: the applied gradients still alive
     assert events[-1].live_bytes >= end
 
 
@@ -277,7 +281,7 @@ def test_element_formula_matches_simulate(chain: Chain, data: hs.DataObject) -> 
         else:
             local, kept = int(pb.Lst[s]), chain.saved_bytes[s]
         # Each element's own moments, forward and backward, peak at `held + local`.
-        own = max(m.live_bytes for m in moments if s <= m.layer < e)
+        own = max(m.live_bytes for m in moments if s <= m.link < e)
         assert own - chain.overhead_bytes == held + local, (s, e, recomputed)
         peak = max(peak, held + local)
         held += kept
@@ -298,7 +302,7 @@ def test_element_formula_matches_simulate(chain: Chain, data: hs.DataObject) -> 
         (
             [(0, 4)],
             ValueError,
-            r"simulate: segment \(0, 4\) is outside the chain's layers "
+            r"simulate: segment \(0, 4\) is outside the chain's links "
             r"0\.\.2\. Received: segments=\[\(0, 4\)\] \(of type list\)\. Keep 0 <= start < stop "
             r"<= 3\.",
         ),

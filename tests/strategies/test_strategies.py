@@ -15,12 +15,12 @@ from tfrecompute.strategies import (
     Chain,
     Plan,
     available,
+    basic,
     get,
     heuristic,
     min_peak,
     none,
     optimal,
-    simple,
     simulate,
     sqrt,
     uniform,
@@ -90,13 +90,13 @@ def test_uniform_segments(n: int, k: int, segments: tuple[tuple[int, int], ...])
         (
             0,
             ValueError,
-            r"^uniform: k must be at least 1\. Received: k=0 \(of type int\)\. "
-            r"Pass an int >= 1 as k\.$",
+            r"^uniform: `k` must be at least 1\. Received: k=0 \(of type int\)\. "
+            r"Pass an int >= 1, e\.g\. k=3\.$",
         ),
-        (-2, ValueError, r"^uniform: k must be at least 1"),
-        (2.0, TypeError, r"^uniform: k must be an int\. Received: k=2\.0 \(of type float\)"),
-        (True, TypeError, r"^uniform: k must be an int\. Received: k=True \(of type bool\)"),
-        ("3", TypeError, r"^uniform: k must be an int"),
+        (-2, ValueError, r"^uniform: `k` must be at least 1"),
+        (2.0, TypeError, r"^uniform: `k` must be an int\. Received: k=2\.0 \(of type float\)"),
+        (True, TypeError, r"^uniform: `k` must be an int\. Received: k=True \(of type bool\)"),
+        ("3", TypeError, r"^uniform: `k` must be an int"),
     ],
 )
 def test_uniform_rejects_bad_k(k: object, error: type[Exception], match: str) -> None:
@@ -132,7 +132,7 @@ def test_sqrt_homogeneous_bound(n: int, activation: int) -> None:
 
 def test_fixed_strategies_use_the_model_with_carries_and_gradients() -> None:
     chain = wide_chain(random.Random(3), 30, skips=True)
-    assert chain.carries and any(chain.grad_bytes)
+    assert chain.carries and any(chain.kept_grad_bytes)
     for strategy in (none, sqrt, uniform(4), heuristic):
         plan = strategy(chain)
         assert (plan.peak_bytes, plan.recompute_cost) == simulate(chain, plan.segments)
@@ -145,9 +145,9 @@ def test_heuristic_closes_segments_where_they_hold_least() -> None:
     # close at 1..4; ends 1..3 hold 8 bytes, end 4 holds 8 + C(0, 4) = 72.
     chain = Chain(8, [8] * 8, [8] * 8, [1.0] * 8, carries=[(2, 6, 64)])
     assert chain.carried_bytes(0, 4) == 64 and chain.carried_bytes(0, 3) == 0
-    assert simple._greedy(chain, set(), 32)[0] == (0, 3)  # the latest end of least hold
+    assert basic._greedy(chain, set(), 32)[0] == (0, 3)  # the latest end of least hold
     plain = Chain(8, [8] * 8, [8] * 8, [1.0] * 8)
-    assert simple._greedy(plain, set(), 32)[0] == (0, 4)
+    assert basic._greedy(plain, set(), 32)[0] == (0, 4)
 
 
 def test_heuristic_without_budget_lowers_the_peak() -> None:

@@ -1,6 +1,16 @@
-"""Keras layers of tfrecompute: `RecomputeBlock` and what it needs."""
+"""`RecomputeBlock` and what it needs, bottom-up.
 
-from tfrecompute.layers.debug import RecomputeMismatchError, debug_enabled, set_debug
-from tfrecompute.layers.recompute_block import RecomputeBlock
+* `custom_gradient`: `recompute_grad`, the custom gradient that recomputes.
+* `state`: snapshot, replay and commit of the non-trainable state.
+* `randomness`: finding random ops a recompute cannot replay.
+* `debug`: comparing each recompute with its forward (`set_debug`).
+* `tree`, `dtypes`: walking a tree of layers; a block's dtype checks.
+* `frame`: `RecomputeFrame`, the state of one recomputed call.
+* `block`: `RecomputeBlock`, the Keras layer.
+"""
+
+from tfrecompute.errors import RecomputeMismatchError
+from tfrecompute.layers.block import RecomputeBlock
+from tfrecompute.layers.debug import debug_enabled, set_debug
 
 __all__ = ["RecomputeBlock", "RecomputeMismatchError", "debug_enabled", "set_debug"]

@@ -21,16 +21,13 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tfrecompute.errors import TfrecomputeError
+from tfrecompute._messages import as_bool
+from tfrecompute.errors import RecomputeMismatchError
 
 __all__ = ["RecomputeMismatchError", "debug_enabled", "set_debug", "verify_recompute"]
 
 # The name scope of the checks in a graph (tests look for it).
 CHECK_SCOPE = "recompute_debug_check"
-
-
-class RecomputeMismatchError(TfrecomputeError, RuntimeError):
-    """A recompute produced other tensors than the forward (debug mode only)."""
 
 
 class _State:
@@ -67,14 +64,9 @@ class set_debug:  # A class used like a function, as `torch.set_grad_enabled`.
     """
 
     def __init__(self, enabled: bool) -> None:
-        if not isinstance(enabled, (bool, np.bool_)):
-            raise TypeError(
-                "set_debug: `enabled` must be a bool. Received: "
-                f"enabled={enabled!r} (of type {type(enabled).__name__}). "
-                "Pass True or False."
-            )
+        value = as_bool("set_debug", "enabled", enabled, fix="Pass True or False")
         self._previous = _state.enabled
-        _state.enabled = bool(enabled)
+        _state.enabled = value
 
     def __enter__(self) -> set_debug:
         return self

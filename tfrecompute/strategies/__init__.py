@@ -3,12 +3,18 @@
 Pure Python (plus numpy); it never imports TensorFlow or Keras, so it runs
 anywhere and predicts a plan's peak memory before any GPU time is spent.
 
-* `Chain`: per-layer bytes and costs; `Plan`: which layers to recompute.
-* `simulate`/`timeline`: the memory model that predicts a plan's peak.
-* Strategies, plain callables `(chain, budget=None) -> Plan`: `none`,
-  `uniform(k)`, `sqrt`, `heuristic`, `optimal`; by name with `get`.
-* `frontier`: the Pareto set of (peak, cost); `min_peak`: the least peak.
-* `plan_within`: plan under a model's budget, leaving headroom for the allocator.
+Its modules, each importing only those above it:
+
+* `units`: `parse_budget` ("512MiB" to bytes), `format_bytes`.
+* `chain`: `Chain`, per-link bytes and costs: all the planner sees.
+* `simulate`: the memory model, `simulate`/`timeline`, which predicts a plan's peak.
+* `plan`: `Plan`, which links to recompute, with its peak and cost.
+* `basic`: the strategies `none`, `uniform(k)`, `sqrt`, `heuristic`, plain
+  callables `(chain, budget=None) -> Plan`.
+* `optimize`: `optimal`, `frontier` (the Pareto set of peak and cost) and
+  `min_peak`, on the exact search of `_solver`.
+* `headroom`: `plan_within`, a model's budget less headroom for the allocator.
+* `registry`: strategies by name, `get` and `available`.
 
 Example:
     >>> from tfrecompute import strategies as st
@@ -19,13 +25,14 @@ Example:
 """
 
 from tfrecompute.errors import InfeasibleBudgetError
-from tfrecompute.strategies.budget import DEFAULT_HEADROOM, format_bytes, parse_budget, plan_within
+from tfrecompute.strategies.basic import heuristic, none, sqrt, uniform
 from tfrecompute.strategies.chain import Chain
-from tfrecompute.strategies.memory import Estimate, MemoryEvent, simulate, timeline
+from tfrecompute.strategies.headroom import DEFAULT_HEADROOM, plan_within
 from tfrecompute.strategies.optimize import DEFAULT_MAX_WORK, frontier, min_peak, optimal
 from tfrecompute.strategies.plan import Budget, Plan, Strategy
 from tfrecompute.strategies.registry import available, get
-from tfrecompute.strategies.simple import heuristic, none, sqrt, uniform
+from tfrecompute.strategies.simulate import Estimate, MemoryEvent, simulate, timeline
+from tfrecompute.strategies.units import format_bytes, parse_budget
 
 __all__ = [
     "DEFAULT_HEADROOM",

@@ -1,7 +1,6 @@
-"""Error-message helpers shared by the planner modules (private).
+"""Checks of the planner's per-link numbers: byte counts, costs and sequences (private).
 
-Every message follows the project convention
-`"<api>: <what was wrong>. Received: <name>=<value> (of type <T>). <how to fix>."`
+Messages follow the project's format through `tfrecompute._messages`.
 """
 
 from __future__ import annotations
@@ -9,36 +8,10 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Iterable, Mapping
-from typing import NoReturn
+
+from tfrecompute._messages import fail
 
 __all__: list[str] = []
-
-_MAX_REPR = 80
-
-
-def short_repr(value: object) -> str:
-    """`repr(value)`, cut to a readable length."""
-    text = repr(value)
-    if len(text) > _MAX_REPR:
-        text = text[: _MAX_REPR - 4] + " ..." + text[-1:]
-    return text
-
-
-def received(name: str, value: object) -> str:
-    return f"Received: {name}={short_repr(value)} (of type {type(value).__name__})"
-
-
-def fail(
-    api: str,
-    what: str,
-    name: str,
-    value: object,
-    fix: str,
-    *,
-    error: type[Exception] = ValueError,
-) -> NoReturn:
-    """Raises `error` with a message in the project's format."""
-    raise error(f"{api}: {what}. {received(name, value)}. {fix}.")
 
 
 def as_byte_count(api: str, name: str, value: object) -> int:
@@ -102,31 +75,14 @@ def as_cost(api: str, name: str, value: object) -> float:
 
 
 def as_sequence(api: str, name: str, value: object) -> tuple[object, ...]:
-    """Turns an iterable of per-layer values (list, tuple, numpy array) into a tuple."""
+    """Turns an iterable of per-link values (list, tuple, numpy array) into a tuple."""
     if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
         fail(
             api,
-            f"{name} must be a sequence with one entry per layer",
+            f"{name} must be a sequence with one entry per link",
             name,
             value,
             "Pass a list or tuple",
             error=TypeError,
         )
     return tuple(value)
-
-
-def as_positive_int(api: str, name: str, value: object) -> int:
-    """Validates an integer option >= 1, never a bool."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        fail(
-            api,
-            f"{name} must be an int",
-            name,
-            value,
-            f"Pass an int >= 1 as {name}",
-            error=TypeError,
-        )
-    number = int(value)
-    if number < 1:
-        fail(api, f"{name} must be at least 1", name, value, f"Pass an int >= 1 as {name}")
-    return number

@@ -6,7 +6,7 @@ NOTE [ The element formula ]
         overhead + max_k (P_k + L_k),    P_1 = a_0,   P_{k+1} = P_k + h_k
 
     where `h_k` is what the element holds between its forward and backward
-    (`saved_i` for a stored layer, `h(s, e) = a_e + C(s, e)` for a segment
+    (`saved_i` for a stored link, `h(s, e) = a_e + C(s, e)` for a segment
     `[s, e)`) and `L_k` its local peak above the memory held before it. Both
     passes of element `k` see the same held memory `P_k` (its backward starts
     after it released `h_k`), and `h`, `L` depend on the element alone (a carry
@@ -22,28 +22,28 @@ NOTE [ The element formula ]
     with `S(s..j) = saved_s + ... + saved_j`, `g_j = input_grad_bytes[j]`, the
     live gradients `G_k`, `R_e` of `Chain.live_gradients` and the applied
     gradients `U(j, e)`, `V_e` of `memory.py`. A stored
-    layer's forward moment `saved_i + ws_i` is below its backward one. `G`,
+    link's forward moment `saved_i + ws_i` is below its backward one. `G`,
     `R`, `U`, `V` and `K_s` only add to backward and recompute moments, so
     they never break a domination. A segment's forward moment of
-    layer `j` holds `C(s, j)`, the carries made by layers `s..j-2`; when every
-    layer's outgoing carries fit in its `saved_bytes` (`Problem.forward_dominated`,
+    link `j` holds `C(s, j)`, the carries made by links `s..j-2`; when every
+    link's outgoing carries fit in its `saved_bytes` (`Problem.forward_dominated`,
     true for realistic chains where a carried tensor is part of its producer's
     output), `C(s, j) <= S(s..j-2)` and the forward term is below the backward
     one, so it is skipped. The step-end moment `a_0 + R_0 + V_0` is below
-    layer 0's backward moment, whatever the plan.
+    link 0's backward moment, whatever the plan.
 
     With prefix sums `Ss`, the recompute and backward terms are `g1[j] - Ss[s]`
     and `g2[j] - Ss[s]` (plus `K_s`, the copy of the segment's input) for
     arrays `g1`, `g2` that do not depend on `s`, so a
     whole row `L(s, s+1..n)` costs two running maxima. The backward term
-    depends on `e` through `U(j, e)`: for the last `lag + 1` layers of the
+    depends on `e` through `U(j, e)`: for the last `lag + 1` links of the
     segment it is their own window `U(j, j+1)` (in `g2`), for earlier ones
     `gU[j] + Us[e]` with prefix sums `Us` of the applied gradients, so the
     backward row is a running maximum of `gU` shifted by `lag + 1`, plus `Us`,
-    against a sliding maximum of `g2` over `lag + 1` layers. It is still
+    against a sliding maximum of `g2` over `lag + 1` links. It is still
     nondecreasing in `e`. `C(s, .)` does depend on
     `s`: `Problem` keeps the row `C(s, x)` for all `x` and moves it from `s` to
-    `s - 1` by adding each carry made by layer `s - 1` on `x in [s + 1, j]` (a
+    `s - 1` by adding each carry made by link `s - 1` on `x in [s + 1, j]` (a
     slice add), so a pass over all positions costs `O(n + carries)` slice adds;
     the forward term is then a third running maximum. Tests check this formula
     against `simulate` on random plans.
@@ -73,7 +73,7 @@ NOTE [ Labels ]
 NOTE [ Bounded work ]
     The Pareto sets of heterogeneous chains grow fast (the problem contains
     knapsack, so it is NP-hard in general: thousands of labels per position
-    for 1000 random layers). With a work limit (candidate labels examined, plus
+    for 1000 random links). With a work limit (candidate labels examined, plus
     a fixed charge per position), `solve_budget` runs passes that keep at most
     `K` labels per position: the cheapest label of each of `K` buckets over `R`
     and the lowest-`R` label of each of `K` buckets over cost. The first pass
@@ -89,7 +89,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
@@ -103,10 +103,10 @@ __all__: list[str] = []
 Array = npt.NDArray[Any]
 
 _LIMIT = 2**62
-EXACT_LAYERS = 16
-"""Chains up to this many layers are always searched exactly."""
-EXACT_OBJECT_LAYERS = 64
-"""Up to this many layers, costs too fine for int64 use exact Python ints (slower)."""
+EXACT_LINKS = 16
+"""Chains up to this many links are always searched exactly."""
+EXACT_OBJECT_LINKS = 64
+"""Up to this many links, costs too fine for int64 use exact Python ints (slower)."""
 _FIRST_KEEP = 32
 _MAX_GROWTH = 16
 _GROWTH_COST = 0.6
@@ -145,10 +145,18 @@ class Problem:
     overhead: int
     bound: int
     carries: tuple[tuple[int, int, int], ...]
-    carry_first: list[int]
     forward_dominated: bool
-    carry_at: int
-    carry_row: Array
+    carry_first: list[int] = field(init=False)
+    carry_at: int = field(init=False)
+    carry_row: Array = field(init=False)
+
+    def __post_init__(self) -> None:
+        # carries[carry_first[i]:] are those made by links >= i (sorted by producer);
+        # `carried` keeps the row C(carry_at, .) and moves it from position to position.
+        producers = [i for i, _, _ in self.carries]
+        self.carry_first = [bisect.bisect_left(producers, i) for i in range(self.n + 1)]
+        self.carry_at = self.n
+        self.carry_row = np.zeros(self.n + 2, dtype=self.dtype)
 
     @classmethod
     def from_chain(cls, chain: Chain) -> Problem:
@@ -157,35 +165,13 @@ class Problem:
         saved = list(chain.saved_bytes)
         ws = list(chain.workspace_bytes)
         backward_grads, recompute_grads = chain.live_gradients()  # G_k, R_e
-        carried_out = [0] * n  # bytes of the carries each layer makes
+        carried_out = [0] * n  # bytes of the carries each link makes
         for i, _, size in chain.carries:
             carried_out[i] += size
         upper = [max(kept, out) for kept, out in zip(saved, carried_out)]
-        total = sum(act) + sum(saved) + sum(ws) + sum(carried_out) + max(backward_grads)
-        total += sum(chain.update_grad_bytes) + sum(chain.input_copy_bytes)
-        bound = 2 * total + 1  # above any peak - overhead
-        bytes_fit = (n + 2) * (4 * bound + 8) < _LIMIT
-
-        exact = [Fraction(c) for c in chain.forward_cost]
-        scale = max(f.denominator for f in exact)  # floats are dyadic: a power of two
-        weights = [int(f * scale) for f in exact]
+        bound = 2 * (sum(carried_out) + _bytes_total(chain)) + 1  # above any peak - overhead
         fold = n + 1
-
-        def costs_fit(ws_: list[int]) -> bool:
-            return (n + 2) * (2 * fold * (sum(ws_) + 1) + 4) < _LIMIT
-
-        exact_costs = True
-        if bytes_fit and costs_fit(weights):
-            dtype: Any = np.int64
-        elif not bytes_fit or n <= EXACT_OBJECT_LAYERS:
-            dtype = object
-        else:
-            dtype = np.int64
-            shift = 1
-            while not costs_fit(_rounded(weights, shift)):
-                shift += 1
-            exact_costs = all(w % (1 << shift) == 0 for w in weights)
-            weights = _rounded(weights, shift)
+        dtype, weights, exact_costs = _cost_grid(chain, bound)
 
         def arr(values: list[int]) -> Array:
             return np.array(values, dtype=dtype)
@@ -197,16 +183,13 @@ class Problem:
         gi = arr(list(chain.input_grad_bytes))
         Ss = np.concatenate([arr([0]), np.cumsum(sv)])
         lag = chain.UPDATE_LAG
-        Us = np.concatenate([arr([0]), np.cumsum(arr(list(chain.update_grad_bytes)))])
+        Us = np.concatenate([arr([0]), np.cumsum(arr(list(chain.applied_grad_bytes)))])
         window = Us[np.minimum(np.arange(1, n + 1) + lag, n)] - Us[:-1]  # U(j, j + 1)
         g1 = Ss[1:] + wk
         g2 = Ss[1:] + a[1:] + gi + wk + G[:-1] + window
         Lst = sv + a[1:] + gi + wk + G[:-1] + window
         Cs = np.concatenate([arr([0]), np.cumsum(arr(weights))]) * fold
         big_cost = 2 * fold * (sum(weights) + 1) + 4
-        # carries[carry_first[i]:] are those made by layers >= i (sorted by producer).
-        producers = [i for i, _, _ in chain.carries]
-        carry_first = [bisect.bisect_left(producers, i) for i in range(n + 1)]
         return cls(
             n=n,
             fold=fold,
@@ -232,23 +215,20 @@ class Problem:
             overhead=chain.overhead_bytes,
             bound=bound,
             carries=chain.carries,
-            carry_first=carry_first,
             forward_dominated=all(out <= kept for out, kept in zip(carried_out, saved)),
-            carry_at=n,
-            carry_row=np.zeros(n + 2, dtype=dtype),
         )
 
     def carried(self, s: int, width: int) -> Array:
         """`C(s, x)` for `x = s .. s + width` (a view, valid until the next call)."""
         carries = self.carries
         row = self.carry_row
-        while self.carry_at > s:  # add the carries made by layer carry_at - 1
+        while self.carry_at > s:  # add the carries made by link carry_at - 1
             i = self.carry_at - 1
             for k in range(self.carry_first[i], self.carry_first[i + 1]):
                 _, j, size = carries[k]
                 row[i + 2 : j + 1] += size
             self.carry_at = i
-        while self.carry_at < s:  # remove the carries made by layer carry_at
+        while self.carry_at < s:  # remove the carries made by link carry_at
             i = self.carry_at
             for k in range(self.carry_first[i], self.carry_first[i + 1]):
                 _, j, size = carries[k]
@@ -262,10 +242,10 @@ class Problem:
         `W` is the last `e` whose lower bound on `L(s, e)` (the backward terms,
         nondecreasing in `e`) fits `cap`.
         """
-        M2 = self.g2[s:].copy()  # layers j >= e - 1 - lag: their own window of updates
+        M2 = self.g2[s:].copy()  # links j >= e - 1 - lag: their own window of updates
         for shift in range(1, self.lag + 1):
             np.maximum(M2[shift:], self.g2[s : self.n - shift], out=M2[shift:])
-        if self.n - s > self.lag + 1:  # layers j < e - 1 - lag: the segment holds U(j, e)
+        if self.n - s > self.lag + 1:  # links j < e - 1 - lag: the segment holds U(j, e)
             held = np.maximum.accumulate(self.gU[s : self.n - self.lag - 1])
             held += self.Us[s + self.lag + 2 :]
             np.maximum(M2[self.lag + 1 :], held, out=M2[self.lag + 1 :])
@@ -285,8 +265,44 @@ class Problem:
         return width, L, held
 
     def none_peak(self) -> int:
-        """Peak of the plan that stores every layer."""
+        """Peak of the plan that stores every link."""
         return self.overhead + self.a0 + int((self.Ss[:-1] + self.Lst).max())
+
+
+def _bytes_total(chain: Chain) -> int:
+    """Every byte count of the chain summed (carries aside): a bound on any peak."""
+    total = chain.input_bytes + sum(chain.output_bytes) + sum(chain.saved_bytes)
+    total += sum(chain.workspace_bytes) + max(chain.live_gradients()[0])
+    return total + sum(chain.applied_grad_bytes) + sum(chain.input_copy_bytes)
+
+
+def _cost_grid(chain: Chain, bound: int) -> tuple[Any, list[int], bool]:
+    """The arrays' dtype, the costs as integers, and whether those are exact.
+
+    Costs are the exact binary values of their floats, scaled to integers.
+    When bytes or costs would overflow int64 sums, chains of up to
+    `EXACT_OBJECT_LINKS` links use Python ints (exact, slower); longer ones
+    round the costs to the coarsest grid that fits.
+    """
+    n = chain.n
+    fold = n + 1
+    exact = [Fraction(c) for c in chain.forward_cost]
+    scale = max(f.denominator for f in exact)  # floats are dyadic: a power of two
+    weights = [int(f * scale) for f in exact]
+
+    def costs_fit(ws_: list[int]) -> bool:
+        return (n + 2) * (2 * fold * (sum(ws_) + 1) + 4) < _LIMIT
+
+    bytes_fit = (n + 2) * (4 * bound + 8) < _LIMIT
+    if bytes_fit and costs_fit(weights):
+        return np.int64, weights, True
+    if not bytes_fit or n <= EXACT_OBJECT_LINKS:
+        return object, weights, True
+    shift = 1
+    while not costs_fit(_rounded(weights, shift)):
+        shift += 1
+    exact_costs = all(w % (1 << shift) == 0 for w in weights)
+    return np.int64, _rounded(weights, shift), exact_costs
 
 
 def _rounded(weights: list[int], shift: int) -> list[int]:
@@ -308,6 +324,11 @@ def min_headroom(pb: Problem) -> int:
         best[s] = value
         best_arr[s] = value
     return best[0]
+
+
+def least_peak(pb: Problem) -> int:
+    """The least peak of any plan: `overhead + a_0 + min_headroom`."""
+    return pb.overhead + pb.a0 + min_headroom(pb)
 
 
 def min_held(pb: Problem, limit: int) -> Array:
@@ -389,7 +410,7 @@ def label_pass(
     KC = np.empty(size, dtype=dt)  # (n - position) * BIGC + BIGC - 1 - (C + Cs[position])
     A = np.empty(size, dtype=dt)  # a[position] + R
     CP = np.empty(size, dtype=dt)  # C + Cs[position]
-    PE = np.empty(size, dtype=np.int64)  # element end; -1 for a stored layer
+    PE = np.empty(size, dtype=np.int64)  # element end; -1 for a stored link
     PI = np.empty(size, dtype=np.int64)  # parent label
     bs = np.zeros(n + 1, dtype=np.int64)
     be = np.zeros(n + 1, dtype=np.int64)
@@ -407,7 +428,7 @@ def label_pass(
             continue
         cap = limit - held[s]
 
-        # Candidates from storing layer s: the labels at s + 1.
+        # Candidates from storing link s: the labels at s + 1.
         b0, b1 = int(bs[s + 1]), int(be[s + 1])
         lo_st = hi_st = b0
         if b1 > b0 and Lst[s] <= cap:
@@ -580,7 +601,7 @@ def solve_budget(pb: Problem, budget: int, *, max_work: int | None) -> Solution 
     held = min_held(pb, limit)
     if held[pb.n] >= pb.inf:
         return None
-    if max_work is None or pb.n <= EXACT_LAYERS:
+    if max_work is None or pb.n <= EXACT_LINKS:
         labels = label_pass(pb, limit, held, keep=None, max_cost=None, anchor=True, work_limit=None)
         assert labels is not None
         return Solution(segments_of(labels, pb.n, cheapest(labels, pb.fold)), True)
@@ -630,7 +651,7 @@ def solve_frontier(
     """(segments, peak) of the Pareto-optimal plans, by peak ascending; and whether exact."""
     limit = pb.none_peak() - pb.overhead
     held = min_held(pb, limit)
-    work_limit = None if pb.n <= EXACT_LAYERS else max_work
+    work_limit = None if pb.n <= EXACT_LINKS else max_work
     labels = label_pass(
         pb, limit, held, keep=None, max_cost=None, anchor=False, work_limit=work_limit
     )

@@ -1,4 +1,4 @@
-"""`Chain`: the cost model of a sequential chain of layers, all the planner sees."""
+"""`Chain`: the cost model of a sequential chain of links, all the planner sees."""
 
 from __future__ import annotations
 
@@ -6,16 +6,11 @@ import itertools
 import math
 import numbers
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
-from tfrecompute.strategies._checks import (
-    as_byte_count,
-    as_cost,
-    as_positive_int,
-    as_sequence,
-    fail,
-)
+from tfrecompute._messages import as_positive_int, fail
+from tfrecompute.strategies._checks import as_byte_count, as_cost, as_sequence
 
 __all__ = ["Chain"]
 
@@ -24,70 +19,75 @@ _API = "Chain"
 
 @dataclass(frozen=True, init=False)
 class Chain:
-    """Memory and time costs of a chain of `n` layers, layer `i` mapping `x_i` to `x_{i+1}`.
+    """Memory and time costs of a chain of `n` links, link `i` mapping `x_i` to `x_{i+1}`.
 
     Bytes are ints, costs floats (seconds or FLOPs: only ratios matter). Sequences
-    are stored as tuples. See `tfrecompute.strategies.memory` for how these
+    are stored as tuples. See `tfrecompute.strategies.simulate` for how these
     numbers turn into a memory peak.
 
     Attributes:
         input_bytes: bytes of `x_0`, the chain input.
-        output_bytes: `output_bytes[i]` is the size of `x_{i+1}`, layer `i`'s output.
-        saved_bytes: bytes layer `i` keeps alive for its backward pass when it is
+        output_bytes: `output_bytes[i]` is the size of `x_{i+1}`, link `i`'s output.
+        saved_bytes: bytes link `i` keeps alive for its backward pass when it is
             not recomputed, its output included (so `saved_bytes[i] >=
             output_bytes[i]`).
-        forward_cost: cost of layer `i`'s forward pass, paid again when recomputed.
-        workspace_bytes: transient bytes while layer `i` runs forward or backward.
-        backward_cost: cost of layer `i`'s backward pass (informational only).
+        forward_cost: cost of link `i`'s forward pass, paid again when recomputed.
+        workspace_bytes: transient bytes while link `i` runs forward or backward.
+        backward_cost: cost of link `i`'s backward pass (informational only).
         overhead_bytes: bytes live at every moment of the step (weights,
-            optimizer slots...; parameter gradients go in `grad_bytes`).
-        names: layer names, unique.
+            optimizer slots...; parameter gradients go in `kept_grad_bytes`).
+        names: link names, unique.
         carries: skip connections, sorted `(producer, last_consumer, bytes)`
-            triples: a tensor of `bytes` made by layer `producer` and used last
-            by layer `last_consumer` (`producer + 2 <= last_consumer <= n`;
+            triples: a tensor of `bytes` made by link `producer` and used last
+            by link `last_consumer` (`producer + 2 <= last_consumer <= n`;
             `n` means needed until the end of the forward pass, e.g. a model
             output). A recomputed segment must keep such a tensor alive when it
             is made inside the segment and used after it; a stored producer
             keeps it in its `saved_bytes` when a backward pass needs it.
-        grad_bytes: bytes of the parameter gradients layer `i` produces in its
+        kept_grad_bytes: bytes of the parameter gradients link `i` produces in its
             backward pass that stay alive until the end of the step (default
             zeros): the optimizer needs all of them before it updates any
             (global norm clipping, loss scaling, gradient accumulation).
-        update_grad_bytes: bytes of the parameter gradients layer `i` produces
+        applied_grad_bytes: bytes of the parameter gradients link `i` produces
             in its backward pass that its optimizer update consumes as soon as
             they exist (default zeros). They stay alive for the backward passes
-            of the next `Chain.UPDATE_LAG` layers (the update runs alongside them),
-            and, when layer `i` is recomputed, until its segment's backward
+            of the next `Chain.UPDATE_LAG` links (the update runs alongside them),
+            and, when link `i` is recomputed, until its segment's backward
             pass ends (the segment releases its gradients together); see
-            `tfrecompute.strategies.memory`.
+            `tfrecompute.strategies.simulate`.
         carry_grads: gradients of skip connections, sorted `(producer,
             last_consumer, bytes)` triples like `carries`: the backward pass of
-            `last_consumer` makes a gradient of `bytes` for a tensor that layer
+            `last_consumer` makes a gradient of `bytes` for a tensor that link
             `producer` output, and it stays alive until the backward pass of
             `producer` uses it (default none). Usually one per float carry. At
             the producer's own backward it is part of the gradient of
             `x_{producer+1}`, as the carry is part of that output.
-        input_grad_bytes: bytes of the gradient layer `i`'s backward pass
+        input_grad_bytes: bytes of the gradient link `i`'s backward pass
             makes for its input `x_i` (default `activation_bytes(i)`, all of
-            it). Less when layer `i` reads only part of `x_i` (a tensor of
-            `x_i` that only a later layer reads is a carry: its gradient is in
+            it). Less when link `i` reads only part of `x_i` (a tensor of
+            `x_i` that only a later link reads is a carry: its gradient is in
             `carry_grads`), or when `x_i` is not differentiable (integer token
             ids); at most `activation_bytes(i)`.
         input_copy_bytes: bytes of the copy of `x_i` that the recompute of a
-            segment starting at layer `i` reads (default zeros; at most
+            segment starting at link `i` reads (default zeros; at most
             `activation_bytes(i)`), live through the segment's recompute and
             backward. `RecomputeBlock` copies its floating inputs there (NOTE
-            [ The recompute's input copy ] in tfrecompute/models.py).
+            [ The recompute's input copy ] in tfrecompute/costs.py).
         update_workspace_bytes: transient bytes of the optimizer step at the
-            end of the backward pass, while the gradients of `grad_bytes` are
+            end of the backward pass, while the gradients of `kept_grad_bytes` are
             all alive (default 0): the copies an optimizer that needs all
             gradients makes of them (clipped or unscaled gradients). The step's
-            end is folded into layer 0's backward pass, so they count there.
+            end is folded into link 0's backward pass, so they count there.
+        source: what the chain was profiled from, opaque to the planner and
+            not part of equality or repr: `tfrecompute.profile` sets it to the
+            model's link map, so that `tfrecompute.recompute(model, plan)`
+            rewrites a plan made on this chain without profiling the model
+            again. None for a chain built by hand.
 
     Example:
         >>> chain = Chain(1024, [2048, 2048, 512], [4096, 2048, 512], [1.0, 2.0, 0.5])
         >>> chain.n, chain.names[0], chain.backward_cost[1]
-        (3, 'layer_0', 4.0)
+        (3, 'link_0', 4.0)
         >>> Chain.homogeneous(4, activation_bytes=1024).saved_bytes
         (1024, 1024, 1024, 1024)
         >>> residual = Chain(8, [8] * 4, [8] * 4, [1.0] * 4, carries=[(0, 3, 8)])
@@ -96,7 +96,7 @@ class Chain:
     """
 
     UPDATE_LAG: ClassVar[int] = 2
-    """Backward passes of later layers an applied parameter gradient outlives."""
+    """Backward passes of later links an applied parameter gradient outlives."""
 
     input_bytes: int
     output_bytes: tuple[int, ...]
@@ -107,12 +107,13 @@ class Chain:
     overhead_bytes: int
     names: tuple[str, ...]
     carries: tuple[tuple[int, int, int], ...]
-    grad_bytes: tuple[int, ...]
+    kept_grad_bytes: tuple[int, ...]
     carry_grads: tuple[tuple[int, int, int], ...]
     input_grad_bytes: tuple[int, ...]
-    update_grad_bytes: tuple[int, ...]
+    applied_grad_bytes: tuple[int, ...]
     input_copy_bytes: tuple[int, ...]
     update_workspace_bytes: int
+    source: object = field(default=None, compare=False, repr=False)
 
     def __init__(
         self,
@@ -126,12 +127,13 @@ class Chain:
         overhead_bytes: int = 0,
         names: Iterable[str] | None = None,
         carries: Iterable[Sequence[int]] = (),
-        grad_bytes: Iterable[int] | None = None,
+        kept_grad_bytes: Iterable[int] | None = None,
         carry_grads: Iterable[Sequence[int]] = (),
         input_grad_bytes: Iterable[int] | None = None,
-        update_grad_bytes: Iterable[int] | None = None,
+        applied_grad_bytes: Iterable[int] | None = None,
         input_copy_bytes: Iterable[int] | None = None,
         update_workspace_bytes: int = 0,
+        source: object = None,
     ) -> None:
         """Validates and stores the costs; see the class docstring for the fields.
 
@@ -139,90 +141,64 @@ class Chain:
             TypeError: a value has the wrong type (bools are never numbers here).
             ValueError: lengths disagree, the chain is empty, a value is negative,
                 NaN or infinite, a byte count is fractional, `saved_bytes[i] <
-                output_bytes[i]`, names repeat, a carry's layers are out of
-                range or skip no layer, or `input_grad_bytes[i]` or
+                output_bytes[i]`, names repeat, a carry's links are out of
+                range or skip no link, or `input_grad_bytes[i]` or
                 `input_copy_bytes[i]` exceeds the size of `x_i`.
         """
-        inputs = as_byte_count(_API, "input_bytes", input_bytes)
-        overhead = as_byte_count(_API, "overhead_bytes", overhead_bytes)
-        update_workspace = as_byte_count(_API, "update_workspace_bytes", update_workspace_bytes)
         outputs = _byte_tuple("output_bytes", output_bytes)
         n = len(outputs)
         if n == 0:
             fail(
                 _API,
-                "a chain needs at least one layer",
+                "a chain needs at least one link",
                 "output_bytes",
                 output_bytes,
-                "Pass one entry per layer",
+                "Pass one entry per link",
             )
-        saved = _byte_tuple("saved_bytes", saved_bytes, n=n)
         forward = _cost_tuple("forward_cost", forward_cost, n=n)
-        workspace = (
-            (0,) * n
-            if workspace_bytes is None
-            else _byte_tuple("workspace_bytes", workspace_bytes, n=n)
-        )
-        backward = (
-            tuple(2.0 * cost for cost in forward)
-            if backward_cost is None
-            else _cost_tuple("backward_cost", backward_cost, n=n)
-        )
-        for i, (kept, output) in enumerate(zip(saved, outputs)):
-            if kept < output:
-                fail(
-                    _API,
-                    f"saved_bytes[{i}] is smaller than output_bytes[{i}]={output}; a layer's "
-                    "saved bytes include its output",
-                    f"saved_bytes[{i}]",
-                    kept,
-                    "Set saved_bytes[i] >= output_bytes[i] for every layer",
-                )
-        layer_names = tuple(f"layer_{i}" for i in range(n)) if names is None else _names(names, n=n)
-        grads = (0,) * n if grad_bytes is None else _byte_tuple("grad_bytes", grad_bytes, n=n)
-        updates = (
-            (0,) * n
-            if update_grad_bytes is None
-            else _byte_tuple("update_grad_bytes", update_grad_bytes, n=n)
-        )
-        skips = _carries(carries, n=n)
-        skip_grads = _carries(carry_grads, n=n, name="carry_grads")
+        inputs = as_byte_count(_API, "input_bytes", input_bytes)
         sizes = (inputs, *outputs[:-1])
-        if input_grad_bytes is None:
-            input_grads = sizes
-        else:
-            input_grads = _input_bounded(
-                "input_grad_bytes", input_grad_bytes, sizes, "a layer's input gradient"
-            )
-        copies = (0,) * n
-        if input_copy_bytes is not None:
-            copies = _input_bounded(
-                "input_copy_bytes", input_copy_bytes, sizes, "a copy of a layer's input"
-            )
-        object.__setattr__(self, "input_bytes", inputs)
-        object.__setattr__(self, "output_bytes", outputs)
-        object.__setattr__(self, "saved_bytes", saved)
-        object.__setattr__(self, "forward_cost", forward)
-        object.__setattr__(self, "workspace_bytes", workspace)
-        object.__setattr__(self, "backward_cost", backward)
-        object.__setattr__(self, "overhead_bytes", overhead)
-        object.__setattr__(self, "names", layer_names)
-        object.__setattr__(self, "carries", skips)
-        object.__setattr__(self, "grad_bytes", grads)
-        object.__setattr__(self, "carry_grads", skip_grads)
-        object.__setattr__(self, "input_grad_bytes", input_grads)
-        object.__setattr__(self, "update_grad_bytes", updates)
-        object.__setattr__(self, "input_copy_bytes", copies)
-        object.__setattr__(self, "update_workspace_bytes", update_workspace)
+        fields = {
+            "input_bytes": inputs,
+            "output_bytes": outputs,
+            "saved_bytes": _saved(saved_bytes, outputs),
+            "forward_cost": forward,
+            "workspace_bytes": _optional_bytes("workspace_bytes", workspace_bytes, n),
+            "backward_cost": tuple(2.0 * cost for cost in forward)
+            if backward_cost is None
+            else _cost_tuple("backward_cost", backward_cost, n=n),
+            "overhead_bytes": as_byte_count(_API, "overhead_bytes", overhead_bytes),
+            "names": tuple(f"link_{i}" for i in range(n)) if names is None else _names(names, n=n),
+            "carries": _carries(carries, n=n),
+            "kept_grad_bytes": _optional_bytes("kept_grad_bytes", kept_grad_bytes, n),
+            "carry_grads": _carries(carry_grads, n=n, name="carry_grads"),
+            "input_grad_bytes": sizes
+            if input_grad_bytes is None
+            else _input_bounded(
+                "input_grad_bytes", input_grad_bytes, sizes, "a link's input gradient"
+            ),
+            "applied_grad_bytes": _optional_bytes("applied_grad_bytes", applied_grad_bytes, n),
+            "input_copy_bytes": (0,) * n
+            if input_copy_bytes is None
+            else _input_bounded(
+                "input_copy_bytes", input_copy_bytes, sizes, "a copy of a link's input"
+            ),
+            "update_workspace_bytes": as_byte_count(
+                _API, "update_workspace_bytes", update_workspace_bytes
+            ),
+            "source": source,
+        }
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
 
     @classmethod
     def homogeneous(cls, n: int, *, activation_bytes: int, cost: float = 1.0) -> Chain:
-        """A chain of `n` identical layers that each keep only their output.
+        """A chain of `n` identical links that each keep only their output.
 
         Args:
-            n: number of layers, at least 1.
+            n: number of links, at least 1.
             activation_bytes: size of every activation, the input included.
-            cost: forward cost of every layer.
+            cost: forward cost of every link.
 
         Returns:
             The chain.
@@ -231,14 +207,14 @@ class Chain:
             >>> Chain.homogeneous(3, activation_bytes=100).output_bytes
             (100, 100, 100)
         """
-        layers = as_positive_int("Chain.homogeneous", "n", n)
+        links = as_positive_int("Chain.homogeneous", "n", n)
         size = as_byte_count("Chain.homogeneous", "activation_bytes", activation_bytes)
         each = as_cost("Chain.homogeneous", "cost", cost)
-        return cls(size, [size] * layers, [size] * layers, [each] * layers)
+        return cls(size, [size] * links, [size] * links, [each] * links)
 
     @property
     def n(self) -> int:
-        """Number of layers."""
+        """Number of links."""
         return len(self.output_bytes)
 
     @property
@@ -253,8 +229,8 @@ class Chain:
     def carried_bytes(self, start: int, stop: int) -> int:
         """`C(start, stop)`: bytes of the carries a segment `[start, stop)` must output.
 
-        These are the carries made inside the segment, before its last layer
-        (whose output is `x_stop` itself), and used at or after layer `stop`. A
+        These are the carries made inside the segment, before its last link
+        (whose output is `x_stop` itself), and used at or after link `stop`. A
         recomputed segment holds `activation_bytes(stop) + carried_bytes(start,
         stop)` between its forward and its backward pass.
 
@@ -269,19 +245,19 @@ class Chain:
         """Gradient bytes alive in the backward pass, whatever the plan.
 
         Returns `(backward, recompute)`: `backward[k]` (for `k` in `0..n-1`) is
-        what is alive while layer `k`'s backward pass runs besides the
+        what is alive while link `k`'s backward pass runs besides the
         gradient of `x_{k+1}` and the one it makes for its input
         (`input_grad_bytes[k]`): `G_k`, plus the `carry_grads` `(i, j,
         b)` with `i < k <= j`, plus, for `k = 0`, `update_workspace_bytes`
-        (the step's end, with the optimizer's copies, is folded into layer
+        (the step's end, with the optimizer's copies, is folded into link
         0's backward pass). `recompute[e]` (for `e` in `0..n`) is what is
         alive while a segment ending at `e` runs forward again (after the
-        backward pass of layer `e`) besides the gradient of `x_e`: `G_e`, plus
+        backward pass of link `e`) besides the gradient of `x_e`: `G_e`, plus
         the `carry_grads` with `i + 1 < e <= j`. See
-        `tfrecompute.strategies.memory`.
+        `tfrecompute.strategies.simulate`.
 
         Example:
-            >>> chain = Chain(1, [1] * 4, [1] * 4, [1.0] * 4, grad_bytes=[1, 0, 0, 2],
+            >>> chain = Chain(1, [1] * 4, [1] * 4, [1.0] * 4, kept_grad_bytes=[1, 0, 0, 2],
             ...               carry_grads=[(0, 2, 10)])
             >>> chain.live_gradients()
             ((3, 12, 12, 2), (3, 2, 12, 2, 0))
@@ -289,7 +265,7 @@ class Chain:
         n = self.n
         params = [0] * (n + 1)  # params[k] = G_k
         for k in range(n - 1, -1, -1):
-            params[k] = params[k + 1] + self.grad_bytes[k]
+            params[k] = params[k + 1] + self.kept_grad_bytes[k]
         at = [0] * (n + 1)  # differences: carry gradients at backward moments
         between = [0] * (n + 2)  # differences: carry gradients after backward of e
         for i, j, size in self.carry_grads:
@@ -308,11 +284,11 @@ def _check_length(name: str, items: tuple[object, ...], n: int | None, values: o
     if n is not None and len(items) != n:
         fail(
             _API,
-            f"{name} has {len(items)} entries but the chain has {n} layers (the length "
+            f"{name} has {len(items)} entries but the chain has {n} links (the length "
             "of output_bytes)",
             name,
             values,
-            "Pass one entry per layer in every per-layer sequence",
+            "Pass one entry per link in every per-link sequence",
         )
 
 
@@ -322,8 +298,29 @@ def _byte_tuple(name: str, values: object, *, n: int | None = None) -> tuple[int
     return tuple(as_byte_count(_API, f"{name}[{i}]", item) for i, item in enumerate(items))
 
 
+def _optional_bytes(name: str, values: object, n: int) -> tuple[int, ...]:
+    """Per-link bytes, zeros when not given."""
+    return (0,) * n if values is None else _byte_tuple(name, values, n=n)
+
+
+def _saved(values: object, outputs: tuple[int, ...]) -> tuple[int, ...]:
+    """`saved_bytes`, each at least the link's output, which it includes."""
+    saved = _byte_tuple("saved_bytes", values, n=len(outputs))
+    for i, (kept, output) in enumerate(zip(saved, outputs)):
+        if kept < output:
+            fail(
+                _API,
+                f"saved_bytes[{i}] is smaller than output_bytes[{i}]={output}; a link's "
+                "saved bytes include its output",
+                f"saved_bytes[{i}]",
+                kept,
+                "Set saved_bytes[i] >= output_bytes[i] for every link",
+            )
+    return saved
+
+
 def _input_bounded(name: str, values: object, sizes: tuple[int, ...], what: str) -> tuple[int, ...]:
-    """Per-layer bytes, each at most the size of that layer's input `x_i`."""
+    """Per-link bytes, each at most the size of that link's input `x_i`."""
     items = _byte_tuple(name, values, n=len(sizes))
     for i, (value, size) in enumerate(zip(items, sizes)):
         if value > size:
@@ -332,7 +329,7 @@ def _input_bounded(name: str, values: object, sizes: tuple[int, ...], what: str)
                 f"{name}[{i}] is larger than x_{i}, {size} bytes; {what} is at most its size",
                 f"{name}[{i}]",
                 value,
-                f"Set {name}[i] <= activation_bytes(i) for every layer",
+                f"Set {name}[i] <= activation_bytes(i) for every link",
             )
     return items
 
@@ -376,7 +373,7 @@ def _carries(values: object, *, n: int, name: str = "carries") -> tuple[tuple[in
         if not 0 <= producer < n:
             fail(
                 _API,
-                f"{name}[{k}] has producer {producer}, outside the chain's layers 0..{n - 1}",
+                f"{name}[{k}] has producer {producer}, outside the chain's links 0..{n - 1}",
                 f"{name}[{k}]",
                 item,
                 f"Keep 0 <= producer <= {n - 2}",
@@ -385,11 +382,11 @@ def _carries(values: object, *, n: int, name: str = "carries") -> tuple[tuple[in
             fail(
                 _API,
                 f"{name}[{k}] has last_consumer {consumer}, outside {producer + 2}..{n}; a "
-                "carry skips at least one layer and last_consumer=n means needed until the end",
+                "carry skips at least one link and last_consumer=n means needed until the end",
                 f"{name}[{k}]",
                 item,
                 "Keep producer + 2 <= last_consumer <= n (a tensor used only by the next "
-                "layer is its output, not a carry)",
+                "link is its output, not a carry)",
             )
         checked.append((producer, consumer, size))
     return tuple(sorted(checked))
@@ -406,7 +403,7 @@ def _names(values: object, *, n: int) -> tuple[str, ...]:
                 f"names[{i}] is not a string",
                 f"names[{i}]",
                 item,
-                "Pass layer names as strings",
+                "Pass link names as strings",
                 error=TypeError,
             )
         if not item:
@@ -415,7 +412,7 @@ def _names(values: object, *, n: int) -> tuple[str, ...]:
                 f"names[{i}] is empty",
                 f"names[{i}]",
                 item,
-                "Give every layer a non-empty name",
+                "Give every link a non-empty name",
             )
         if item in seen:
             fail(
@@ -423,7 +420,7 @@ def _names(values: object, *, n: int) -> tuple[str, ...]:
                 f"names[{i}] repeats names[{seen[item]}]",
                 f"names[{i}]",
                 item,
-                "Give every layer a unique name",
+                "Give every link a unique name",
             )
         seen[item] = i
     return tuple(str(item) for item in items)

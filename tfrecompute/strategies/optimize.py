@@ -4,7 +4,7 @@ The search is exact: among all sets of segments it finds the least recompute
 cost whose simulated peak fits the budget (ties: lower peak, then fewer
 segments). It works on exact integers (bytes as they are, costs as the exact
 binary values of their floats), with one documented exception: on chains of
-more than 64 layers whose exact costs would overflow 64-bit arithmetic (costs
+more than 64 links whose exact costs would overflow 64-bit arithmetic (costs
 in seconds, say), costs are rounded to a grid finer than about 2^-30 of the total
 cost. See `_solver.py` for the algorithm.
 
@@ -13,7 +13,7 @@ problem contains knapsack). `max_work` bounds the candidate labels examined:
 once it is spent, `optimal` returns the best plan found by passes that keep a
 bounded number of labels per position. Such a plan always fits the budget (memory
 is checked exactly); only its cost may exceed the optimum, and `Plan.proven_optimal`
-is False. Chains of up to 16 layers are always solved exactly.
+is False. Chains of up to 16 links are always solved exactly.
 """
 
 from __future__ import annotations
@@ -21,13 +21,12 @@ from __future__ import annotations
 import logging
 import numbers
 
-from tfrecompute.errors import InfeasibleBudgetError
+from tfrecompute._messages import fail
 from tfrecompute.strategies import _solver
-from tfrecompute.strategies._checks import fail, received
-from tfrecompute.strategies.budget import _parse_budget, format_bytes
 from tfrecompute.strategies.chain import Chain
-from tfrecompute.strategies.memory import check_chain, estimate
-from tfrecompute.strategies.plan import Budget, Plan
+from tfrecompute.strategies.plan import Budget, Plan, infeasible
+from tfrecompute.strategies.simulate import check_chain, estimate
+from tfrecompute.strategies.units import budget_bytes
 
 __all__ = ["DEFAULT_MAX_WORK", "frontier", "min_peak", "optimal"]
 
@@ -51,7 +50,7 @@ def min_peak(chain: Chain) -> int:
         700
     """
     check_chain("min_peak", chain)
-    return _least_peak(_solver.Problem.from_chain(chain))
+    return _solver.least_peak(_solver.Problem.from_chain(chain))
 
 
 def optimal(
@@ -84,11 +83,11 @@ def optimal(
     check_chain("optimal", chain)
     _check_max_work("optimal", max_work)
     pb = _solver.Problem.from_chain(chain)
-    least = _least_peak(pb)
+    least = _solver.least_peak(pb)
     if budget is None:
         limit = least
     else:
-        limit = _parse_budget(budget, api="optimal", name="budget")
+        limit = budget_bytes(budget, api="optimal", name="budget")
         if limit < least:
             raise infeasible("optimal", budget, limit, own=least, least=least)
     solution = _solver.solve_budget(pb, limit, max_work=max_work)
@@ -125,7 +124,7 @@ def frontier(chain: Chain, *, max_work: int | None = DEFAULT_MAX_WORK) -> list[P
     Returns:
         Plans sorted by peak ascending (so cost descending): the first has the
         least peak, the last costs least (the plan that stores everything, unless
-        free layers exist). Of plans with equal peak and cost, the one with the
+        free links exist). Of plans with equal peak and cost, the one with the
         fewest segments.
 
     Example:
@@ -148,40 +147,6 @@ def frontier(chain: Chain, *, max_work: int | None = DEFAULT_MAX_WORK) -> list[P
         )
         for segments, peak in found
     ]
-
-
-def infeasible(
-    api: str, value: object, budget: int, *, own: int, least: int
-) -> InfeasibleBudgetError:
-    """The error for a budget a strategy cannot meet.
-
-    `own` is the least budget the strategy meets, `least` that of any plan.
-    """
-    if budget < least:
-        what = (
-            f"budget {format_bytes(budget)} is below the least peak any plan reaches, "
-            f"{format_bytes(least)}"
-        )
-    else:
-        what = (
-            f"the plan's predicted peak {format_bytes(own)} exceeds the budget "
-            f"{format_bytes(budget)}"
-        )
-    if own == least:
-        fix = f"Raise the budget to at least {least} bytes, or reduce the batch size"
-    else:
-        fix = (
-            f"Raise the budget to at least {own} bytes for this strategy, or use the "
-            f'"optimal" strategy, which needs {least} bytes'
-        )
-        if budget < least:
-            fix += ", or reduce the batch size"
-    message = f"{api}: {what}. {received('budget', value)}. {fix}."
-    return InfeasibleBudgetError(message, budget=budget, minimum=own)
-
-
-def _least_peak(pb: _solver.Problem) -> int:
-    return pb.overhead + pb.a0 + _solver.min_headroom(pb)
 
 
 def _check_max_work(api: str, max_work: object) -> None:

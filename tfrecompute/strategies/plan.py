@@ -1,4 +1,4 @@
-"""`Plan`: which layers to recompute, with its predicted peak and cost."""
+"""`Plan`: which links to recompute, with its predicted peak and cost."""
 
 from __future__ import annotations
 
@@ -8,17 +8,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from tfrecompute.strategies._checks import fail
-from tfrecompute.strategies.budget import format_bytes
+from tfrecompute._messages import fail, received
+from tfrecompute.errors import InfeasibleBudgetError
+from tfrecompute.strategies._table import table
 from tfrecompute.strategies.chain import Chain
-from tfrecompute.strategies.memory import (
-    MemoryEvent,
-    check_segments,
-    estimate,
-    timeline,
-)
+from tfrecompute.strategies.simulate import MemoryEvent, check_segments, estimate, timeline
+from tfrecompute.strategies.units import format_bytes
 
-__all__ = ["Budget", "Plan", "Strategy"]
+__all__ = ["Budget", "Plan", "Strategy", "infeasible"]
 
 Budget = int | str
 """A memory budget: bytes, or a string like `"512MiB"` (see `parse_budget`)."""
@@ -30,10 +27,10 @@ class Plan:
 
     Attributes:
         segments: sorted, disjoint half-open ranges `(start, stop)` of recomputed
-            layers; every other layer is stored as usual. Adjacent segments are
-            distinct blocks; a one-layer segment recomputes that layer alone.
+            links; every other link is stored as usual. Adjacent segments are
+            distinct blocks; a one-link segment recomputes that link alone.
         peak_bytes: the predicted peak memory of one training step.
-        recompute_cost: summed `forward_cost` of the recomputed layers.
+        recompute_cost: summed `forward_cost` of the recomputed links.
         strategy: the name of the strategy that made the plan (`"manual"` for
             `Plan.from_segments`).
         chain: the chain planned for (not part of equality or repr).
@@ -44,7 +41,7 @@ class Plan:
     Example:
         >>> chain = Chain.homogeneous(4, activation_bytes=100)
         >>> plan = Plan.from_segments(chain, [(0, 2), (2, 4)])
-        >>> plan.peak_bytes, plan.recompute_cost, plan.recomputed_layers
+        >>> plan.peak_bytes, plan.recompute_cost, plan.recomputed_links
         (600, 4.0, (0, 1, 2, 3))
     """
 
@@ -132,7 +129,7 @@ class Plan:
         Args:
             chain: the cost model.
             segments: sorted, disjoint half-open ranges `(start, stop)` of
-                recomputed layers.
+                recomputed links.
             strategy: the name recorded in the plan.
 
         Returns:
@@ -148,24 +145,29 @@ proven_optimal=False)
         return cls(checked, peak_bytes=peak, recompute_cost=cost, strategy=strategy, chain=chain)
 
     @property
-    def recomputed_layers(self) -> tuple[int, ...]:
-        """Indices of the recomputed layers, ascending."""
+    def recomputed_links(self) -> tuple[int, ...]:
+        """Indices of the recomputed links, ascending."""
         return tuple(j for s, e in self.segments for j in range(s, e))
+
+    @property
+    def recomputed_layers(self) -> tuple[int, ...]:
+        """The older name of `recomputed_links`."""
+        return self.recomputed_links
 
     def timeline(self) -> list[MemoryEvent]:
         """The memory over one training step; see `tfrecompute.strategies.timeline`."""
         return timeline(self.chain, self.segments)
 
     def summary(self, *, all_names: bool = False) -> str:
-        """A readable table of the plan: one row per run of stored layers or segment.
+        """A readable table of the plan: one row per run of stored links or segment.
 
         The "held" column is what a row keeps between its forward and its
-        backward pass: the saved bytes of stored layers; a segment's output plus
+        backward pass: the saved bytes of stored links; a segment's output plus
         the carries it hands on (`Chain.carried_bytes`).
 
         Args:
-            all_names: list the name of every layer of a row; by default a row
-                of three or more layers names its first and last.
+            all_names: list the name of every link of a row; by default a row
+                of three or more links names its first and last.
 
         Returns:
             The table, then the predicted peak and the recompute overhead.
@@ -174,14 +176,14 @@ proven_optimal=False)
             >>> chain = Chain.homogeneous(6, activation_bytes=1024)
             >>> plan = Plan.from_segments(chain, [(0, 3)])
             >>> print(plan.summary())  # doctest: +NORMALIZE_WHITESPACE
-            Plan 'manual' for a chain of 6 layers
-            layers  names                           mode        held      recompute cost
-            0-2     layer_0 … layer_2 (3 layers)    recomputed  1.00 KiB  3
-            3-5     layer_3 … layer_5 (3 layers)    stored      3.00 KiB  -
+            Plan 'manual' for a chain of 6 links
+            links  names                      mode        held      recompute cost
+            0-2    link_0 … link_2 (3 links)  recomputed  1.00 KiB  3
+            3-5    link_3 … link_5 (3 links)  stored      3.00 KiB  -
             Predicted peak: 7.00 KiB (7168 bytes)
             Recompute cost: 3 = 50.0% of one forward pass (total forward cost 6)
             >>> print(plan.summary(all_names=True).splitlines()[2])
-            0-2     layer_0, layer_1, layer_2  recomputed  1.00 KiB  3
+            0-2    link_0, link_1, link_2  recomputed  1.00 KiB  3
         """
         if not isinstance(all_names, bool):
             fail(
@@ -189,7 +191,7 @@ proven_optimal=False)
                 "`all_names` must be True or False",
                 "all_names",
                 all_names,
-                "Pass all_names=True to name every layer",
+                "Pass all_names=True to name every link",
                 error=TypeError,
             )
         chain = self.chain
@@ -204,20 +206,14 @@ proven_optimal=False)
             else:
                 held = sum(chain.saved_bytes[s:e])
                 rows.append((span, names, "stored", format_bytes(held), "-"))
-        header = ("layers", "names", "mode", "held", "recompute cost")
-        widths = [max(len(row[k]) for row in [header, *rows]) for k in range(5)]
-
-        def line(row: tuple[str, str, str, str, str]) -> str:
-            return "  ".join(text.ljust(width) for text, width in zip(row, widths)).rstrip()
-
+        header = ("links", "names", "mode", "held", "recompute cost")
         total = chain.total_forward_cost
         share = 100.0 * self.recompute_cost / total if total > 0 else 0.0
         proof = " (proven optimal)" if self.proven_optimal else ""
         return "\n".join(
             [
-                f"Plan {self.strategy!r} for a chain of {chain.n} layers{proof}",
-                line(header),
-                *(line(row) for row in rows),
+                f"Plan {self.strategy!r} for a chain of {chain.n} links{proof}",
+                table(header, rows),
                 f"Predicted peak: {format_bytes(self.peak_bytes)} ({self.peak_bytes} bytes)",
                 f"Recompute cost: {_number(self.recompute_cost)} = {share:.1f}% of one forward "
                 f"pass (total forward cost {_number(total)})",
@@ -226,7 +222,7 @@ proven_optimal=False)
 
 
 def _runs(n: int, segments: tuple[tuple[int, int], ...]) -> list[tuple[int, int, bool]]:
-    """Maximal runs of stored layers and the segments, in order."""
+    """Maximal runs of stored links and the segments, in order."""
     runs: list[tuple[int, int, bool]] = []
     position = 0
     for s, e in segments:
@@ -244,11 +240,41 @@ def _abbreviate(names: Sequence[str]) -> str:
         return names[0]
     if len(names) == 2:
         return f"{names[0]}, {names[1]}"
-    return f"{names[0]} … {names[-1]} ({len(names)} layers)"
+    return f"{names[0]} … {names[-1]} ({len(names)} links)"
 
 
 def _number(value: float) -> str:
     return format(value, ".4g")
+
+
+def infeasible(
+    api: str, value: object, budget: int, *, own: int, least: int
+) -> InfeasibleBudgetError:
+    """The error for a budget a strategy cannot meet.
+
+    `own` is the least budget the strategy meets, `least` that of any plan.
+    """
+    if budget < least:
+        what = (
+            f"budget {format_bytes(budget)} is below the least peak any plan reaches, "
+            f"{format_bytes(least)}"
+        )
+    else:
+        what = (
+            f"the plan's predicted peak {format_bytes(own)} exceeds the budget "
+            f"{format_bytes(budget)}"
+        )
+    if own == least:
+        fix = f"Raise the budget to at least {least} bytes, or reduce the batch size"
+    else:
+        fix = (
+            f"Raise the budget to at least {own} bytes for this strategy, or use the "
+            f'"optimal" strategy, which needs {least} bytes'
+        )
+        if budget < least:
+            fix += ", or reduce the batch size"
+    message = f"{api}: {what}. {received('budget', value)}. {fix}."
+    return InfeasibleBudgetError(message, budget=budget, minimum=own)
 
 
 class Strategy(Protocol):

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from tfrecompute.strategies._checks import fail
+from tfrecompute._messages import fail
+from tfrecompute.strategies.basic import heuristic, none, sqrt, uniform
 from tfrecompute.strategies.optimize import optimal
 from tfrecompute.strategies.plan import Strategy
-from tfrecompute.strategies.simple import heuristic, none, sqrt, uniform
 
 __all__ = ["available", "get"]
 

@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import tfrecompute
-from tfrecompute.tracing import _allocator_matches, _replay
+from tfrecompute.measure import _allocator_matches, _replay
 
 WIDTH, BATCH = 1024, 512  # each activation is 2 MiB: above the CPU allocator's 256 KiB floor
 
@@ -72,7 +72,9 @@ def test_summary_names_the_peak_and_its_largest_buffers():
     trace = tfrecompute.trace_step(_mlp(), *_batch())
     text = trace.summary(top=3)
     lines = text.splitlines()
-    assert lines[0].startswith(f"peak {trace.peak_bytes / 2**20:.1f} MiB on CPU:0")
+    assert lines[0].startswith(
+        f"peak {tfrecompute.strategies.format_bytes(trace.peak_bytes)} on CPU:0"
+    )
     assert len(lines) == 1 + min(3, len(trace.live_at_peak))
     assert trace.live_at_peak[0].op in lines[1]
 
@@ -128,7 +130,7 @@ def test_replay_finds_the_peak_and_what_is_live_then():
     ],
 )
 def test_allocator_events_are_those_of_the_device(allocator, device, expected):
-    assert _allocator_matches(allocator, device) is expected
+    assert _allocator_matches(allocator, tf.DeviceSpec.from_string(device)) is expected
 
 
 def test_trace_refuses_while_another_profiler_runs(tmp_path):
@@ -164,7 +166,7 @@ def test_trace_refuses_while_another_profiler_runs(tmp_path):
         (
             lambda: tfrecompute.trace_step(_mlp(depth=1), *_batch(), warmup=0),
             ValueError,
-            r"trace_step: `warmup` must be a positive integer\. Received: warmup=0",
+            r"trace_step: `warmup` must be at least 1\. Received: warmup=0",
         ),
         (
             lambda: tfrecompute.trace_step(_mlp(depth=1), *_batch(), device="TPU:0"),

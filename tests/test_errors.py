@@ -158,22 +158,22 @@ MEASURE_STEP_CASES = {
     "steps_zero": (
         lambda: _measure(steps=0),
         ValueError,
-        r"`steps` must be a positive integer\. Received: steps=0 \(of type int\)",
+        r"`steps` must be at least 1\. Received: steps=0 \(of type int\)",
     ),
     "steps_float": (
         lambda: _measure(steps=1.5),
-        ValueError,
+        TypeError,
         r"Received: steps=1\.5 \(of type float\)",
     ),
     "steps_bool": (
         lambda: _measure(steps=True),
-        ValueError,
+        TypeError,
         r"Received: steps=True \(of type bool\)",
     ),
     "warmup_negative": (
         lambda: _measure(warmup=-1),
         ValueError,
-        r"`warmup` must be a positive integer\. Received: warmup=-1",
+        r"`warmup` must be at least 1\. Received: warmup=-1",
     ),
     "device_missing": (
         lambda: _measure(device="TPU:0"),
@@ -239,11 +239,11 @@ MODEL_CASES = {
     "profile_batch_size_zero": (
         lambda: tfrecompute.profile(_mlp(), batch_size=0),
         ValueError,
-        r"profile: `batch_size` must be a positive integer\. Received: batch_size=0",
+        r"profile: `batch_size` must be at least 1\. Received: batch_size=0",
     ),
     "profile_batch_size_float": (
         lambda: tfrecompute.profile(_mlp(), batch_size=2.5),
-        ValueError,
+        TypeError,
         r"Received: batch_size=2\.5 \(of type float\)",
     ),
     "recompute_plan_of_another_model": (

@@ -1,4 +1,4 @@
-"""Hardening: nested blocks, Keras masks and recurrent layers inside a RecomputeBlock."""
+"""Nested blocks, Keras masks and recurrent layers inside a RecomputeBlock."""
 
 from __future__ import annotations
 

@@ -8,49 +8,49 @@ optimal solver (`tfrecompute.strategies.optimize`) is tested against it.
 The model
 ---------
 A plan is a sorted list of disjoint half-open *segments* `[s, e)` of recomputed
-layers; every other layer is *stored*. An *element* is a stored layer or a
+links; every other link is *stored*. An *element* is a stored link or a
 segment. Write `a_i` for the size of `x_i` (`a_0 = input_bytes`,
 `a_{i+1} = output_bytes[i]`), `saved_i`, `ws_i`, `g_i` for `saved_bytes[i]`,
-`workspace_bytes[i]` and `input_grad_bytes[i]` (the gradient layer `i` makes
+`workspace_bytes[i]` and `input_grad_bytes[i]` (the gradient link `i` makes
 for `x_i`; `a_i` unless it reads only part of `x_i`), and
 `S(s..j) = saved_s + ... + saved_j`.
 `overhead_bytes` is added to every moment below. `H` is the memory held
-between layers; it starts at `a_0`.
+between links; it starts at `a_0`.
 
-Four terms come from `carries`, `grad_bytes`, `carry_grads` and
-`update_grad_bytes`:
+Four terms come from `carries`, `kept_grad_bytes`, `carry_grads` and
+`applied_grad_bytes`:
 
 * `C(s, e)` (`Chain.carried_bytes`): the sum of `bytes` over the carries
   `(i, j, bytes)` with `s <= i < e - 1` and `j >= e`, the skip tensors made
-  inside `[s, e)` (other than its output `x_e`) and still needed at layer `e`.
-  A carry made by a stored layer is part of its `saved_bytes` when a backward
-  pass needs it and is not counted again; one made by layer `e - 1` is `x_e`.
+  inside `[s, e)` (other than its output `x_e`) and still needed at link `e`.
+  A carry made by a stored link is part of its `saved_bytes` when a backward
+  pass needs it and is not counted again; one made by link `e - 1` is `x_e`.
 * `G_k` and `R_e` (`Chain.live_gradients`): gradients alive in the backward
-  pass whatever the plan. `G_k` is alive while layer `k`'s backward pass runs:
-  the parameter gradients `grad_bytes[k] + ... + grad_bytes[n-1]` (they stay
+  pass whatever the plan. `G_k` is alive while link `k`'s backward pass runs:
+  the parameter gradients `kept_grad_bytes[k] + ... + kept_grad_bytes[n-1]` (they stay
   until the optimizer step) plus the `carry_grads` `(i, j, bytes)` with
   `i < k <= j` (a skip tensor's gradient, made by the backward pass of its last
   consumer `j`; at its producer `i` it is part of the gradient of `x_{i+1}`),
   and for `k = 0` the optimizer's copies `update_workspace_bytes` (see the
   step's end below).
   `R_e` is alive while a segment ending at `e` runs forward again, after the
-  backward pass of layer `e`: the parameter gradients of layers `e..n-1` plus
+  backward pass of link `e`: the parameter gradients of links `e..n-1` plus
   the `carry_grads` with `i + 1 < e <= j`. Both add to backward-phase moments
   only.
-* `U(j, e)`: the applied parameter gradients (`update_grad_bytes`, `u_i`)
-  alive at the backward pass of layer `j` of an element ending at `e`. The
-  gradient of layer `i` lives from its backward pass through those of the
-  next `lag = Chain.UPDATE_LAG` layers (its update runs alongside them), and a
-  segment holds those of its layers until its backward pass ends:
+* `U(j, e)`: the applied parameter gradients (`applied_grad_bytes`, `u_i`)
+  alive at the backward pass of link `j` of an element ending at `e`. The
+  gradient of link `i` lives from its backward pass through those of the
+  next `lag = Chain.UPDATE_LAG` links (its update runs alongside them), and a
+  segment holds those of its links until its backward pass ends:
   `U(j, e) = u_j + ... + u_{m-1}` with `m = min(n, max(e, j + lag + 1))` (for
-  a stored layer `e = j + 1`). While a segment ending at `e` runs forward
+  a stored link `e = j + 1`). While a segment ending at `e` runs forward
   again, `V_e = u_e + ... + u_{min(n, e + lag) - 1}` are alive.
 
 Forward, elements in order (no gradients are live yet):
 
-* stored layer `i`: while it runs, live = `H + saved_i + ws_i`; then `H += saved_i`.
-* segment `[s, e)`: its layers run one after another and keep nothing but what
-  later layers need: while layer `j` runs, live =
+* stored link `i`: while it runs, live = `H + saved_i + ws_i`; then `H += saved_i`.
+* segment `[s, e)`: its links run one after another and keep nothing but what
+  later links need: while link `j` runs, live =
   `H + C(s, j) + (a_j if j > s else 0) + a_{j+1} + ws_j` (its input `a_s` is
   already held by its producer; `C(s, j)` are the carries made earlier in the
   segment and used at or after `j`); then `H += a_e + C(s, e)` (the segment
@@ -59,18 +59,18 @@ Forward, elements in order (no gradients are live yet):
 Backward, elements in reverse order; the gradient of the element's output,
 `a_{last + 1}` bytes, is live:
 
-* stored layer `i`: live = `H + a_{i+1} + g_i + ws_i + G_i + U(i, i + 1)`
+* stored link `i`: live = `H + a_{i+1} + g_i + ws_i + G_i + U(i, i + 1)`
   (gradients of the output and of the input, and the parameter gradients
   alive); then `H -= saved_i`.
 * segment `[s, e)`: first `H -= a_e + C(s, e)` (the held outputs are dropped; the
   recompute makes fresh copies). The recompute may read a copy of its input,
   `K_s = input_copy_bytes[s]` (tfrecompute makes one after the incoming
   gradient, so that TensorFlow cannot merge the recompute with the forward;
-  the first layer's backward may still read it), live through the segment's
-  recompute and backward. Phase "recompute": layers `s..e-1` run forward
+  the first link's backward may still read it), live through the segment's
+  recompute and backward. Phase "recompute": links `s..e-1` run forward
   again, each now stored, before any of them has produced gradients: while
-  layer `j` runs, live = `H + K_s + a_e + S(s..j) + ws_j + R_e + V_e`. Then
-  their backward, layer `j = e-1` down to `s`, as stored layers that keep
+  link `j` runs, live = `H + K_s + a_e + S(s..j) + ws_j + R_e + V_e`. Then
+  their backward, link `j = e-1` down to `s`, as stored links that keep
   their parameter gradients: live =
   `H + K_s + S(s..j) + a_{j+1} + g_j + ws_j + G_j + U(j, e)`, and `saved_j` is
   released after it.
@@ -79,13 +79,42 @@ The step ends with the optimizer update, when `H = a_0` and all parameter
 gradients kept for it are live, with the copies the optimizer makes of them
 (`W = update_workspace_bytes`: clipped or unscaled gradients):
 `a_0 + R_0 + V_0 + W`. That moment is part of the model but is never above
-the backward moment of layer 0 (the same plus `saved_0`, the gradients of
+the backward moment of link 0 (the same plus `saved_0`, the gradients of
 `x_1` and `x_0`, `ws_0` and `U(0, e) >= V_0`, as `G_0` counts `W`), so it is
-folded into it: the timeline ends with the backward of layer 0.
+folded into it: the timeline ends with the backward of link 0.
+
+NOTE [ What the model assumes of RecomputeBlock ]
+Each runtime behaviour of a block (tfrecompute/layers/) that this model
+relies on, the `Chain` field or term that models it, and the test that pins
+the behaviour:
+
+* A block keeps only its inputs from its forward to its backward; the
+  activations inside are dropped. A segment holds its output and the carries
+  it hands on (`output_bytes`, `carries`: the `H += a_e + C(s, e)` above).
+  tests/test_trace_step.py test_trace_sees_recompute_keep_fewer_activations,
+  tests/test_measure_step.py test_sqrt_blocks_at_most_halve_step_memory.
+* The recompute runs when the gradient of the block's outputs exists, not
+  earlier, and TensorFlow does not merge it with the forward: the recompute
+  phase of the backward (`layers/custom_gradient.py` makes everything it
+  reads depend on the incoming gradient, also under XLA).
+  tests/test_measure_step.py test_block_with_only_integer_inputs_still_saves_memory,
+  tests/test_block_xla_export_higher_order.py test_blocks_still_save_memory_under_xla_on_cpu.
+* The recompute reads a copy of the block's floating inputs, live through the
+  segment's recompute and backward (`input_copy_bytes`, `K_s`).
+  tests/test_costs.py test_the_recompute_copies_its_input.
+* A block releases its weight gradients only once its whole backward is
+  computed, so a segment holds them until its backward ends
+  (`applied_grad_bytes`, `U(j, e)`), and an optimizer that needs all
+  gradients keeps them to the step's end (`kept_grad_bytes`).
+  tests/test_block.py test_variable_updates_in_the_same_step_do_not_reach_the_recompute
+  (why), tests/test_costs.py test_parameter_gradients_follow_the_optimizer (the bytes).
+* Plans are single-level: a block nested in another recomputes once more per
+  enclosing recompute, which this model does not describe; `rewrite` never
+  nests blocks.
 
 The peak is the largest live value over every moment, forward and backward;
 all arithmetic is on exact ints. The recompute cost is the sum of
-`forward_cost` over the recomputed layers (an exactly rounded float sum).
+`forward_cost` over the recomputed links (an exactly rounded float sum).
 
 Example:
     >>> from tfrecompute.strategies import Chain, simulate
@@ -95,8 +124,8 @@ Example:
     >>> simulate(chain, [(0, 2), (2, 4)])
     Estimate(peak_bytes=600, recompute_cost=4.0)
     >>> skip = Chain(100, [100] * 4, [100] * 4, [1.0] * 4, carries=[(0, 3, 100)],
-    ...              grad_bytes=[10] * 4)
-    >>> skip.carried_bytes(0, 2)     # [0, 2) also holds layer 0's output, used by layer 3
+    ...              kept_grad_bytes=[10] * 4)
+    >>> skip.carried_bytes(0, 2)     # [0, 2) also holds link 0's output, used by link 3
     100
     >>> simulate(skip, [(0, 2), (2, 4)])   # 3 held + input + 2 gradients + G_3
     Estimate(peak_bytes=710, recompute_cost=4.0)
@@ -111,13 +140,13 @@ import numbers
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Literal, NamedTuple
 
-from tfrecompute.strategies._checks import fail
+from tfrecompute._messages import fail
 from tfrecompute.strategies.chain import Chain
 
 __all__ = ["Estimate", "MemoryEvent", "Segments", "simulate", "timeline"]
 
 Segments = Sequence[tuple[int, int]]
-"""Half-open ranges `(start, stop)` of recomputed layers, sorted and disjoint."""
+"""Half-open ranges `(start, stop)` of recomputed links, sorted and disjoint."""
 
 Phase = Literal["forward", "recompute", "backward"]
 
@@ -128,12 +157,12 @@ class MemoryEvent(NamedTuple):
     Attributes:
         phase: `"forward"`, `"recompute"` (a segment's forward run again during
             the backward pass) or `"backward"`.
-        layer: index of the layer running.
+        link: index of the link running.
         live_bytes: bytes live while it runs, `overhead_bytes` included.
     """
 
     phase: Phase
-    layer: int
+    link: int
     live_bytes: int
 
 
@@ -142,7 +171,7 @@ class Estimate(NamedTuple):
 
     Attributes:
         peak_bytes: the largest live memory over one training step.
-        recompute_cost: summed `forward_cost` of the recomputed layers.
+        recompute_cost: summed `forward_cost` of the recomputed links.
     """
 
     peak_bytes: int
@@ -155,7 +184,7 @@ def timeline(chain: Chain, segments: Iterable[Sequence[int]]) -> list[MemoryEven
     Args:
         chain: the cost model.
         segments: sorted, disjoint half-open ranges `(start, stop)` of recomputed
-            layers (adjacent ranges allowed).
+            links (adjacent ranges allowed).
 
     Returns:
         The events in time order: `n` forward events, then for each element in
@@ -183,7 +212,7 @@ def simulate(chain: Chain, segments: Iterable[Sequence[int]]) -> Estimate:
     Args:
         chain: the cost model.
         segments: sorted, disjoint half-open ranges `(start, stop)` of recomputed
-            layers.
+            links.
 
     Returns:
         `Estimate(peak_bytes, recompute_cost)`.
@@ -210,7 +239,7 @@ def estimate(chain: Chain, segments: tuple[tuple[int, int], ...]) -> Estimate:
 def _events(
     chain: Chain, segments: tuple[tuple[int, int], ...]
 ) -> Iterator[tuple[Phase, int, int]]:
-    """Generates the moments `(phase, layer, live_bytes)` of one training step.
+    """Generates the moments `(phase, link, live_bytes)` of one training step.
 
     This is the one implementation of the memory model (see the module docstring).
     """
@@ -219,12 +248,12 @@ def _events(
     work = chain.workspace_bytes
     base = chain.overhead_bytes
     act = (chain.input_bytes, *out)  # act[i] is the size of x_i
-    grad_in = chain.input_grad_bytes  # grad_in[i]: the gradient layer i makes for x_i
+    grad_in = chain.input_grad_bytes  # grad_in[i]: the gradient link i makes for x_i
     copies = chain.input_copy_bytes
     grads, regrads = chain.live_gradients()  # G_k, R_e
     n = chain.n
     lag = chain.UPDATE_LAG
-    applied = [0, *itertools.accumulate(chain.update_grad_bytes)]  # prefix sums of u
+    applied = [0, *itertools.accumulate(chain.applied_grad_bytes)]  # prefix sums of u
 
     def updates(j: int, e: int) -> int:  # U(j, e)
         return applied[min(n, max(e, j + lag + 1))] - applied[j]
@@ -346,7 +375,7 @@ def check_segments(api: str, chain: object, segments: object) -> tuple[tuple[int
         if start < 0 or stop > n:
             fail(
                 api,
-                f"segment ({start}, {stop}) is outside the chain's layers 0..{n - 1}",
+                f"segment ({start}, {stop}) is outside the chain's links 0..{n - 1}",
                 "segments",
                 segments,
                 f"Keep 0 <= start < stop <= {n}",

@@ -1,4 +1,4 @@
-"""`recompute_grad`: a checkpointed function whose gradient is itself differentiable.
+"""The custom gradient of a block: `recompute_grad`, whose gradient is itself differentiable.
 
 NOTE [ Why not tf.recompute_grad ]
 `tf.recompute_grad` wraps its gradient function in a second
@@ -16,7 +16,7 @@ The gradient function below is plain TensorFlow (a recompute under a local
 tape, and that tape's gradient), so an enclosing tape records it and can
 differentiate it again: cases 1 and 2 then give the same numbers as the layers
 unwrapped. Case 3 still cannot be transposed (see NOTE [ Forward-mode
-autodiff ] in `recompute_block.py`: a block runs plainly under an accumulator).
+autodiff ] in `block.py`: a block runs plainly under an accumulator).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import tensorflow as tf
-from tensorflow.python.eager import record
+
+from tfrecompute._keras_internals import stop_recording
 
 __all__ = ["depend_on", "recompute_grad"]
 
@@ -85,7 +86,7 @@ def recompute_grad(fn: Callable[..., Sequence[tf.Tensor]]) -> Callable[..., list
 
     @tf.custom_gradient
     def checkpointed(*args: tf.Tensor) -> Any:
-        with record.stop_recording():
+        with stop_recording():
             result = list(fn(*args, after=None))
 
         def gradient(*result_grads: tf.Tensor, variables: Sequence[Any] | None = None) -> Any:
@@ -116,11 +117,11 @@ def recompute_grad(fn: Callable[..., Sequence[tf.Tensor]]) -> Callable[..., list
                 # gradients let an update reach a read of the block's backward,
                 # single or nested: freshly traced train steps then sometimes
                 # trained differently from the unwrapped layers, never when the
-                # updates ran after the gradient function (test_recompute_block
+                # updates ran after the gradient function (test_block.py
                 # test_variable_updates_in_the_same_step_do_not_reach_the_
                 # recompute). So they are released once every gradient of the
                 # block is computed; a segment holds them through its backward
-                # (the memory model counts that: `Chain.update_grad_bytes`).
+                # (the memory model counts that: `Chain.applied_grad_bytes`).
                 with tf.control_dependencies(grads):
                     grads = grads[: len(inputs)] + [tf.identity(g) for g in grads[len(inputs) :]]
             return grads[: len(inputs)], grads[len(inputs) :]

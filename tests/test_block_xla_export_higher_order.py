@@ -1,4 +1,4 @@
-"""Hardening: XLA, SavedModel export, higher-order and forward-mode gradients."""
+"""XLA, SavedModel export, higher-order and forward-mode gradients."""
 
 from __future__ import annotations
 

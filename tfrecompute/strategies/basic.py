@@ -1,4 +1,4 @@
-"""Simple strategies: store everything, fixed-size segments, sqrt, Chen's greedy.
+"""Basic strategies: store everything, fixed-size segments, sqrt, Chen's greedy.
 
 Each strategy is a plain function `(chain, budget=None) -> Plan`. `none`,
 `uniform(k)` and `sqrt` ignore the budget when planning; when one is given and
@@ -10,18 +10,18 @@ from __future__ import annotations
 
 import math
 
-from tfrecompute.strategies._checks import as_positive_int
-from tfrecompute.strategies.budget import _parse_budget
+from tfrecompute._messages import as_positive_int
+from tfrecompute.strategies import _solver
 from tfrecompute.strategies.chain import Chain
-from tfrecompute.strategies.memory import carry_profile, check_chain, estimate
-from tfrecompute.strategies.optimize import infeasible, min_peak
-from tfrecompute.strategies.plan import Budget, Plan, Strategy
+from tfrecompute.strategies.plan import Budget, Plan, Strategy, infeasible
+from tfrecompute.strategies.simulate import carry_profile, check_chain, estimate
+from tfrecompute.strategies.units import budget_bytes
 
 __all__ = ["heuristic", "none", "sqrt", "uniform"]
 
 
 def none(chain: Chain, budget: Budget | None = None) -> Plan:
-    """Stores every layer: no recompute, the highest peak.
+    """Stores every link: no recompute, the highest peak.
 
     Args:
         chain: the cost model.
@@ -41,13 +41,13 @@ def none(chain: Chain, budget: Budget | None = None) -> Plan:
 
 
 def uniform(k: int) -> Strategy:
-    """A strategy recomputing every layer in segments of `k` layers.
+    """A strategy recomputing every link in segments of `k` links.
 
-    The last segment holds the remaining `n % k` layers when `k` does not divide
+    The last segment holds the remaining `n % k` links when `k` does not divide
     `n`; `k >= n` gives a single segment.
 
     Args:
-        k: layers per segment, at least 1.
+        k: links per segment, at least 1.
 
     Returns:
         A strategy `(chain, budget=None) -> Plan` named `"uniform:<k>"`.
@@ -67,14 +67,14 @@ def uniform(k: int) -> Strategy:
         return _fixed_plan(name, chain, _uniform_segments(chain.n, size), budget)
 
     strategy.__name__ = strategy.__qualname__ = name
-    strategy.__doc__ = f"Recomputes every layer in segments of {size} layers."
+    strategy.__doc__ = f"Recomputes every link in segments of {size} links."
     return strategy
 
 
 def sqrt(chain: Chain, budget: Budget | None = None) -> Plan:
-    """Recomputes everything in segments of `ceil(sqrt(n))` layers (Chen et al. 2016).
+    """Recomputes everything in segments of `ceil(sqrt(n))` links (Chen et al. 2016).
 
-    On a chain of equal layers this reaches within about one activation of
+    On a chain of equal links this reaches within about one activation of
     the best peak of any equal-segment plan, for one extra forward pass.
 
     Args:
@@ -107,9 +107,9 @@ def heuristic(chain: Chain, budget: Budget | None = None) -> Plan:
     recompute keeps alive (the sum of `saved_bytes`) would pass `t`; then close
     it where it holds the least (its output plus the carries it hands on), so
     that the held outputs are small.
-    To prefer recomputing cheap layers, the layers with the highest forward cost
+    To prefer recomputing cheap links, the links with the highest forward cost
     per saved byte (none, the top 10% or the top 25%) stay stored. Thresholds
-    run over 32 values from the smallest layer to the whole chain; the plan that
+    run over 32 values from the smallest link to the whole chain; the plan that
     stores everything is a candidate too.
 
     Args:
@@ -130,7 +130,7 @@ def heuristic(chain: Chain, budget: Budget | None = None) -> Plan:
         True
     """
     check_chain("heuristic", chain)
-    limit = None if budget is None else _parse_budget(budget, api="heuristic", name="budget")
+    limit = None if budget is None else budget_bytes(budget, api="heuristic", name="budget")
     n = chain.n
     saved = chain.saved_bytes
     ratio = [cost / max(kept, 1) for cost, kept in zip(chain.forward_cost, saved)]
@@ -155,7 +155,7 @@ def heuristic(chain: Chain, budget: Budget | None = None) -> Plan:
         fitting = [x for x in scored if x[0] <= limit]
         if not fitting:
             own = min(x[0] for x in scored)
-            raise infeasible("heuristic", budget, limit, own=own, least=min_peak(chain))
+            raise infeasible("heuristic", budget, limit, own=own, least=_least_peak(chain))
         peak, cost, segments = min(fitting, key=lambda x: (x[1], x[0], len(x[2]), x[2]))
     return Plan(segments, peak_bytes=peak, recompute_cost=cost, strategy="heuristic", chain=chain)
 
@@ -205,7 +205,12 @@ def _fixed_plan(
     check_chain(api, chain)
     peak, cost = estimate(chain, segments)
     if budget is not None:
-        limit = _parse_budget(budget, api=api, name="budget")
+        limit = budget_bytes(budget, api=api, name="budget")
         if peak > limit:
-            raise infeasible(api, budget, limit, own=peak, least=min_peak(chain))
+            raise infeasible(api, budget, limit, own=peak, least=_least_peak(chain))
     return Plan(segments, peak_bytes=peak, recompute_cost=cost, strategy=api, chain=chain)
+
+
+def _least_peak(chain: Chain) -> int:
+    """The least peak any plan reaches, for the error of a budget a fixed plan misses."""
+    return _solver.least_peak(_solver.Problem.from_chain(chain))

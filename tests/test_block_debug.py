@@ -1,4 +1,4 @@
-"""Hardening: the debug mode that checks each recompute against the forward."""
+"""The debug mode that checks each recompute against the forward."""
 
 from __future__ import annotations
 

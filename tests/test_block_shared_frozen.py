@@ -1,4 +1,4 @@
-"""Hardening: shared and frozen layers, pointless blocks, and odd inputs.
+"""Shared and frozen layers, pointless blocks, and odd inputs.
 
 Odd inputs: the same tensor passed twice, zero-size batches, integer token ids
 and integer outputs.

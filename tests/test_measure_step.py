@@ -59,10 +59,21 @@ def test_measure_step_rejects_a_non_model():
         measure_step(keras.layers.Dense(1), np.ones((1, 2)))
 
 
-@pytest.mark.parametrize("steps", [0, -1, 1.5, True])
-def test_measure_step_rejects_bad_step_counts(steps):
+@pytest.mark.parametrize(
+    ("steps", "error", "what"),
+    [
+        (0, ValueError, "must be at least 1"),
+        (-1, ValueError, "must be at least 1"),
+        (1.5, TypeError, "must be an int"),
+        (True, TypeError, "must be an int"),
+        ("3", TypeError, "must be an int"),
+    ],
+)
+def test_measure_step_rejects_bad_step_counts(steps, error, what):
+    # One mechanism for every integer option: a wrong type is a TypeError,
+    # a wrong value of the right type a ValueError.
     model = _dense_chain(1, 2)
-    with pytest.raises(ValueError, match=r"`steps` must be a positive integer. Received: steps="):
+    with pytest.raises(error, match=rf"`steps` {what}\. Received: steps="):
         measure_step(model, np.ones((1, 2)), np.ones((1, 2)), steps=steps)
 
 

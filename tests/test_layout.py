@@ -1,0 +1,138 @@
+"""The package's layout: imports flow one way, private symbols in one module, short functions.
+
+Read from the source with `ast`, nothing is imported. The modules follow the
+data path (model -> layer graph -> costs -> Chain -> plan -> rewrite ->
+blocks); `ORDER` lists them bottom-up, and a module may import only modules
+before it, at module level or inside a function alike (a lazy import must
+not hide a cycle). A new module has to be placed in `ORDER`.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "tfrecompute"
+
+ORDER = [
+    "tfrecompute.errors",
+    "tfrecompute._messages",
+    "tfrecompute.strategies._table",
+    "tfrecompute.strategies._checks",
+    "tfrecompute.strategies.units",
+    "tfrecompute.strategies.chain",
+    "tfrecompute.strategies.simulate",
+    "tfrecompute.strategies.plan",
+    "tfrecompute.strategies._solver",
+    "tfrecompute.strategies.basic",
+    "tfrecompute.strategies.optimize",
+    "tfrecompute.strategies.headroom",
+    "tfrecompute.strategies.registry",
+    "tfrecompute.strategies",
+    "tfrecompute._keras_internals",
+    "tfrecompute.layers.custom_gradient",
+    "tfrecompute.layers.state",
+    "tfrecompute.layers.randomness",
+    "tfrecompute.layers.debug",
+    "tfrecompute.layers.tree",
+    "tfrecompute.layers.dtypes",
+    "tfrecompute.layers.frame",
+    "tfrecompute.layers.block",
+    "tfrecompute.layers",
+    "tfrecompute.graph",
+    "tfrecompute.call_costs",
+    "tfrecompute.costs",
+    "tfrecompute.rewrite",
+    "tfrecompute.models",
+    "tfrecompute.measure",
+    "tfrecompute.precision",
+    "tfrecompute",
+    "tfrecompute.cli",
+    "tfrecompute.__main__",
+]
+
+# Only this module may import Keras's and TensorFlow's private modules.
+INTERNALS = "tfrecompute._keras_internals"
+PRIVATE_MODULES = ("keras.src", "tensorflow.python", "tensorflow.tsl")
+
+# The exact solver's inner loop is one vectorized pass, kept whole on purpose.
+LONG_FUNCTIONS = {("tfrecompute.strategies._solver", "label_pass")}
+MAX_FUNCTION_LINES = 60
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _imports(path: Path) -> set[str]:
+    """The modules a file imports, every `from x import y` resolved to x.y if that is a module."""
+    imported = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            for alias in node.names:
+                child = f"{node.module}.{alias.name}"
+                imported.add(child if child in MODULES else node.module)
+    return imported
+
+
+def test_every_module_has_a_place_in_the_order():
+    assert set(MODULES) == set(ORDER), "place new modules in ORDER, remove gone ones"
+
+
+@pytest.mark.parametrize("module", ORDER)
+def test_imports_point_down_the_data_path(module):
+    rank = ORDER.index(module)
+    upward = [
+        name
+        for name in _imports(MODULES[module])
+        if name.split(".")[0] == "tfrecompute" and ORDER.index(name) >= rank
+    ]
+    assert not upward, f"{module} imports {upward}, which come after it in ORDER"
+
+
+def test_the_planner_never_imports_tensorflow_or_keras():
+    for module, path in MODULES.items():
+        if module.startswith("tfrecompute.strategies") or module in ORDER[:2]:
+            roots = {name.split(".")[0] for name in _imports(path)}
+            assert not roots & {"tensorflow", "keras"}, module
+
+
+def test_private_keras_and_tensorflow_symbols_stay_in_one_module():
+    for module, path in MODULES.items():
+        if module == INTERNALS:
+            continue
+        source = path.read_text()
+        private = [name for name in _imports(path) if name.startswith(PRIVATE_MODULES)]
+        private += [name for name in PRIVATE_MODULES if f"{name}." in source]
+        assert not private, f"{module} uses {private}: add what it needs to {INTERNALS}"
+
+
+def _body_lines(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """Lines of the function's body after its docstring."""
+    body = function.body
+    has_docstring = isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+    first = body[1] if has_docstring and len(body) > 1 else body[0]
+    return function.end_lineno - first.lineno + 1
+
+
+def test_functions_stay_short():
+    long = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = _body_lines(node)
+                if lines > MAX_FUNCTION_LINES and (module, node.name) not in LONG_FUNCTIONS:
+                    long.append(f"{module}.{node.name}: {lines} lines")
+    assert not long, long

@@ -1,0 +1,181 @@
+"""Every private Keras and TensorFlow symbol tfrecompute uses, in one place.
+
+Each entry says why the public API does not suffice. Tested with tensorflow
+2.16 to 2.21 and keras 3.9 to 3.15; on an upgrade, this module and its
+tests are what to check. Nothing else in the package imports `keras.src`,
+`tensorflow.python` or `tensorflow.tsl` (tests/test_layout.py checks). One
+private hook is overridden, not called: `RecomputeBlock._set_mask_metadata`
+(see its comment).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import keras
+import tensorflow as tf
+from keras.src.backend.common import global_state
+from keras.src.layers.layer import CallContext
+from tensorflow.python import pywrap_tfe
+from tensorflow.python.eager import record
+from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+__all__ = [
+    "call_context",
+    "call_has_mask_arg",
+    "call_has_training_arg",
+    "compute_output_spec",
+    "direct_sublayers",
+    "forward_accumulator_active",
+    "functional_inputs",
+    "functional_nodes",
+    "get_keras_mask",
+    "inbound_nodes",
+    "is_functional",
+    "keras_history_operation",
+    "own_variables",
+    "set_keras_mask",
+    "set_mask_metadata",
+    "should_record_backprop",
+    "stop_recording",
+    "tape_is_recording",
+    "xplane_pb2",
+]
+
+# ------------------------------------------------------------------ tapes
+# TensorFlow's public API cannot tell whether a tape records the ops run now,
+# nor stop recording on all tapes: `tf.GradientTape.stop_recording` stops one.
+
+
+def tape_is_recording() -> bool:
+    """Whether any gradient tape or forward accumulator could record the ops run now.
+
+    Not inside `stop_recording()`, where the forward of an enclosing block
+    runs: a block nested in another is a plain call there.
+    """
+    return bool(record.could_possibly_record()) and not pywrap_tfe.TFE_Py_TapeSetIsStopped()
+
+
+def forward_accumulator_active(probe: tf.Tensor) -> bool:
+    """Whether a `tf.autodiff.ForwardAccumulator` is active in this thread.
+
+    `TFE_Py_PackJVPs` returns one entry per active accumulator, whatever the
+    accumulator watches; `probe` is any tensor.
+    """
+    indices, _ = pywrap_tfe.TFE_Py_PackJVPs([probe])
+    return bool(indices)
+
+
+def should_record_backprop(tensors: list[tf.Tensor]) -> bool:
+    """Whether some active tape watches one of `tensors`."""
+    return bool(record.should_record_backprop(tensors))
+
+
+stop_recording = record.stop_recording
+"""Context manager: no tape or accumulator records the ops run inside."""
+
+# ------------------------------------------------------------ Keras calls
+# A block's recompute runs during backprop, outside the call of the model that
+# holds it, where Keras's call context (which carries `training` down to
+# nested layers) is gone; Keras has no public way to make one.
+
+
+@contextlib.contextmanager
+def call_context(entry_layer: keras.layers.Layer, training: Any) -> Iterator[None]:
+    """Runs Keras layer calls as if inside `entry_layer(..., training=training)`."""
+    previous = global_state.get_global_attribute("current_call_ctx")
+    context = CallContext(entry_layer=entry_layer)
+    context.set_value("training", training)
+    global_state.set_global_attribute("current_call_ctx", context)
+    try:
+        yield
+    finally:
+        global_state.set_global_attribute("current_call_ctx", previous)
+
+
+def call_has_training_arg(layer: Any) -> bool:
+    """Whether `layer.call` takes `training` (Keras inspects the signature once)."""
+    return bool(getattr(layer, "_call_has_training_arg", False))
+
+
+def call_has_mask_arg(layer: Any) -> bool:
+    """Whether `layer.call` takes `mask`."""
+    return bool(getattr(layer, "_call_has_mask_arg", False))
+
+
+def compute_output_spec(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Traces `fn` on `KerasTensor`s (building the layers it calls); returns its output specs.
+
+    `keras.Layer.compute_output_spec` traces one layer; a block traces a
+    function of several.
+    """
+    return keras.src.backend.compute_output_spec(fn, *args, **kwargs)
+
+
+def get_keras_mask(tensor: Any) -> Any:
+    """The Keras mask attached to `tensor`, or None."""
+    return keras.src.backend.get_keras_mask(tensor)
+
+
+def set_keras_mask(tensor: Any, mask: Any) -> None:
+    """Attaches a Keras mask to `tensor` (as a layer's output masks are)."""
+    keras.src.backend.set_keras_mask(tensor, mask)
+
+
+def set_mask_metadata(layer: keras.layers.Layer, inputs: Any, outputs: Any, mask: Any) -> None:
+    """Keras's own attaching of `layer.compute_mask(inputs, mask)` to `outputs`."""
+    keras.layers.Layer._set_mask_metadata(layer, inputs, outputs, mask)
+
+
+# ----------------------------------------------------------- layer graphs
+# Keras exposes a Functional model's layers, not its nodes (which call of a
+# shared layer consumed which tensor), nor which layer made a KerasTensor.
+
+
+def is_functional(model: Any) -> bool:
+    """Whether `model` has a node graph (a Functional model, or a Sequential's inner one)."""
+    return isinstance(model, keras.Sequential) or hasattr(model, "_nodes_by_depth")
+
+
+def functional_nodes(model: keras.Model) -> list[Any]:
+    """The nodes of a Sequential or Functional model, inputs first, in a topological order.
+
+    A node has `operation` (the layer or `keras.ops` operation called),
+    `arguments` (`.args`, `.kwargs`, `.keras_tensors`), `outputs` and `is_input`.
+    """
+    functional = model._functional if isinstance(model, keras.Sequential) else model
+    depths = sorted(functional._nodes_by_depth, reverse=True)
+    return [node for depth in depths for node in functional._nodes_by_depth[depth]]
+
+
+def functional_inputs(model: keras.Model) -> list[Any]:
+    """The input tensors of the graph `functional_nodes(model)` walks."""
+    functional = model._functional if isinstance(model, keras.Sequential) else model
+    return list(functional.inputs)
+
+
+def keras_history_operation(tensor: Any) -> Any:
+    """The layer or operation that produced a symbolic tensor, or None."""
+    history = getattr(tensor, "_keras_history", None)
+    return None if history is None else history.operation
+
+
+def inbound_nodes(layer: Any) -> list[Any]:
+    """The nodes at which `layer` was called symbolically."""
+    return list(getattr(layer, "_inbound_nodes", []))
+
+
+def direct_sublayers(layer: Any) -> list[Any]:
+    """The layers `layer` holds as attributes, one level down, in creation order."""
+    return list(layer._flatten_layers(include_self=False, recursive=False))
+
+
+def own_variables(layer: Any) -> list[Any]:
+    """The variables `layer` created itself (not its sublayers')."""
+    return list(layer._trainable_variables) + list(layer._non_trainable_variables)
+
+
+# `xplane_pb2` (imported above): `tf.profiler` writes XSpace protobufs but
+# offers no reader for them; `trace_step` parses the allocator's events.

@@ -1,0 +1,176 @@
+"""What one layer call keeps for its backward, read from its traced gradient graph.
+
+`call_memory` traces a call and its gradient in a `tf.function`, without
+running them, and reads which forward tensors the gradient ops use: what
+TensorFlow keeps between the two passes. `tfrecompute.costs` assembles these
+per-call costs into a model's `Chain`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from tfrecompute._keras_internals import call_has_training_arg
+from tfrecompute.graph import trainable_variables
+
+__all__ = ["CallMemory", "call_memory"]
+
+
+def _spec(tensor: Any, batch_size: int) -> tf.TensorSpec:
+    shape = [batch_size if dim is None else dim for dim in tensor.shape]
+    return tf.TensorSpec(shape, keras.backend.standardize_dtype(tensor.dtype))
+
+
+def _static_bytes(tensor: tf.Tensor) -> int:
+    if not tensor.shape.is_fully_defined():
+        return 0
+    return int(tensor.shape.num_elements()) * tensor.dtype.size
+
+
+# Forward ops whose outputs are not activations: inputs, variable reads, constants.
+_NOT_ACTIVATIONS = frozenset({"Placeholder", "ReadVariableOp", "Const", "Shape", "VarHandleOp"})
+# Ops whose output shares its input's buffer: a kept output of one is its input.
+_ALIASES = frozenset({"Identity", "IdentityN", "Reshape", "Squeeze", "ExpandDims", "StopGradient"})
+
+
+def _buffer(tensor: tf.Tensor) -> tf.Tensor:
+    """The tensor whose buffer `tensor` shares (itself unless it is a view)."""
+    while tensor.op.type in _ALIASES and tensor.op.inputs:
+        tensor = tensor.op.inputs[0 if tensor.op.type != "IdentityN" else tensor.value_index]
+    return tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class CallMemory:
+    """What one layer call keeps for its backward, read from its gradient graph.
+
+    Attributes:
+        kept_bytes: activations made inside the call (neither its inputs nor
+            its outputs) that its backward reads.
+        workspace_bytes: the largest other temporary its backward creates.
+        reads_inputs: per tensor argument, whether its backward reads it.
+        reads_outputs: per output, whether its backward reads it.
+    """
+
+    kept_bytes: int
+    workspace_bytes: int
+    reads_inputs: tuple[bool, ...]
+    reads_outputs: tuple[bool, ...]
+
+
+@dataclasses.dataclass
+class _TracedCall:
+    """A call and its gradient, traced into one graph (filled in while tracing)."""
+
+    specs: list[tf.TensorSpec]
+    forward_ops: int = 0  # the forward's ops come first in the graph
+    inputs: list[Any] = dataclasses.field(default_factory=list)  # buffers of the tensor inputs
+    outputs: list[Any] = dataclasses.field(default_factory=list)  # buffers of the outputs
+    gradients: list[Any] = dataclasses.field(default_factory=list)  # buffers of the gradients
+    operations: list[tf.Operation] = dataclasses.field(default_factory=list)
+
+
+def call_memory(
+    layer: keras.layers.Layer | keras.Operation,
+    args: Any,
+    kwargs: Any,
+    outputs: Any,
+    batch_size: int,
+) -> CallMemory:
+    """Finds what one layer call keeps alive for its backward.
+
+    Traces the call (in training mode) and its gradient with respect to its
+    floating inputs and trainable variables in a `tf.function`, without running
+    it. A forward tensor that a gradient op reads is kept from the forward to
+    the backward; a view (a reshape, an identity) counts as the buffer it
+    shares. This is what TensorFlow keeps between the two passes.
+
+    Args:
+        layer: the layer called, or a plain Keras op (`keras.ops` on symbolic tensors).
+        args, kwargs: the call's arguments, with `keras.KerasTensor`s for tensors.
+        outputs: the call's symbolic outputs.
+        batch_size: the size of the leading `None` dimension.
+    """
+    traced = _trace(layer, args, kwargs, outputs, batch_size)
+    read = _read_by_backward(traced)
+    boundary = set(traced.inputs) | set(traced.outputs)
+    kept = [
+        t for key, t in read.items() if key not in boundary and t.op.type not in _NOT_ACTIVATIONS
+    ]
+    # The memory model counts the gradients the call returns, for its inputs
+    # (also when made in another shape and reshaped, as a Conv1D's or a
+    # Dense's on 3-D inputs is) and for its variables (`Chain.applied_grad_bytes`
+    # or `kept_grad_bytes`), and temporaries shaped like its inputs or outputs as
+    # those gradients; the workspace is the largest other temporary.
+    io_shapes = {tuple(spec.shape) for spec in traced.specs}
+    returned = set(traced.gradients)
+    backward = [
+        t
+        for op in traced.operations[traced.forward_ops :]
+        if op.type not in _ALIASES
+        for t in op.outputs
+        if tuple(t.shape) not in io_shapes and t.ref() not in returned
+    ]
+    return CallMemory(
+        kept_bytes=sum(_static_bytes(t) for t in kept),
+        workspace_bytes=max((_static_bytes(t) for t in backward), default=0),
+        reads_inputs=tuple(key in read for key in traced.inputs),
+        reads_outputs=tuple(key in read for key in traced.outputs),
+    )
+
+
+def _trace(layer: Any, args: Any, kwargs: Any, outputs: Any, batch_size: int) -> _TracedCall:
+    """Traces the call in training mode and its gradient, without running either."""
+    flat = keras.tree.flatten((args, kwargs))
+    symbolic = list({id(t): t for t in flat if isinstance(t, keras.KerasTensor)}.values())
+    flat_outputs = keras.tree.flatten(outputs)
+    traced = _TracedCall(specs=[_spec(t, batch_size) for t in [*symbolic, *flat_outputs]])
+
+    def step(*values: tf.Tensor) -> None:
+        inputs, output_grads = values[: len(symbolic)], values[len(symbolic) :]
+        mapping = {id(t): v for t, v in zip(symbolic, inputs)}
+
+        def substitute(value: Any) -> Any:
+            return mapping[id(value)] if isinstance(value, keras.KerasTensor) else value
+
+        call_kwargs = keras.tree.map_structure(substitute, kwargs)
+        if call_has_training_arg(layer):  # a plain op has none
+            call_kwargs["training"] = True
+        with tf.GradientTape() as tape:
+            tape.watch([value for value in inputs if value.dtype.is_floating])
+            results = keras.tree.flatten(
+                layer(*keras.tree.map_structure(substitute, args), **call_kwargs)
+            )
+        traced.forward_ops = len(tf.compat.v1.get_default_graph().get_operations())
+        traced.inputs = [_buffer(v).ref() for v in inputs]
+        traced.outputs = [_buffer(r).ref() for r in results]
+        pairs = [(r, g) for r, g in zip(results, output_grads) if r.dtype.is_floating]
+        sources = [v for v in inputs if v.dtype.is_floating] + trainable_variables(layer)
+        if pairs and sources:
+            grads = tape.gradient(
+                [r for r, _ in pairs], sources, output_gradients=[g for _, g in pairs]
+            )
+            for part in tf.nest.flatten(grads, expand_composites=True):  # IndexedSlices too
+                if part is not None:
+                    traced.gradients.append(_buffer(part).ref())
+
+    graph = tf.function(step, autograph=False).get_concrete_function(*traced.specs).graph
+    traced.operations = graph.get_operations()
+    return traced
+
+
+def _read_by_backward(traced: _TracedCall) -> dict[Any, tf.Tensor]:
+    """The forward buffers that some gradient op reads, by reference."""
+    operations = traced.operations
+    forward = {t.ref() for op in operations[: traced.forward_ops] for t in op.outputs}
+    read: dict[Any, tf.Tensor] = {}
+    for op in operations[traced.forward_ops :]:
+        for tensor in op.inputs:
+            if tensor.ref() in forward:
+                root = _buffer(tensor)
+                read[root.ref()] = root
+    return read

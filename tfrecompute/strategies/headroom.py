@@ -1,0 +1,109 @@
+"""Budget headroom: plan a model's budget less a share for the allocator's rounding."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable
+from fractions import Fraction
+from typing import Any
+
+from tfrecompute._messages import fail, received
+from tfrecompute.errors import InfeasibleBudgetError
+from tfrecompute.strategies.chain import Chain
+from tfrecompute.strategies.plan import Plan
+from tfrecompute.strategies.units import budget_bytes, format_bytes
+
+__all__ = ["DEFAULT_HEADROOM", "check_headroom", "plan_within"]
+
+DEFAULT_HEADROOM = 0.3
+"""Share of a model's budget the planner leaves for the allocator's rounding.
+
+NOTE [ Budget headroom ]
+The memory model predicts the bytes a step's tensors request. TensorFlow's
+BFC allocator serves each request from a free chunk of up to twice its size
+(NOTE [ Requested and allocated bytes ] in tfrecompute/measure.py), so what
+the allocator holds, which is what runs out on a GPU, is more: +1% to +32%
+over the requested peak in benchmarks/results/prediction_accuracy.md (the
+most under `sqrt` plans), different from step to step, while the requested
+peak itself can exceed the prediction by several percent. A budget given for
+a model (`plan`, `recompute`, the CLI) is therefore planned as
+`budget * (1 - headroom)`: 1 / 0.7 covers +43% over an exact prediction, and
+the optimal plans of that benchmark measured 69% to 90% of their budget. It
+is a margin, not a bound: a prediction under the requested peak and a large
+rounding can together exceed it. tests/test_models_real.py checks that the
+optimal plan's measured allocator peak stays under the budget.
+"""
+
+
+def plan_within(
+    api: str,
+    strategy: Callable[..., Plan],
+    chain: Chain,
+    budget: object,
+    headroom: object,
+) -> Plan:
+    """Plans `chain` with `strategy` under a model's budget, leaving `headroom` of it.
+
+    The strategy gets `floor(budget * (1 - headroom))` bytes (NOTE [ Budget
+    headroom ]). Without a budget it gets none, and `headroom` must be None.
+
+    Args:
+        api: the public function, for error messages.
+        strategy: `(chain, budget=None) -> Plan`.
+        chain: the chain to plan.
+        budget: None, bytes or a string like `"2GiB"`.
+        headroom: None for `DEFAULT_HEADROOM`, or a share in `[0, 1)`.
+
+    Returns:
+        The strategy's plan.
+
+    Raises:
+        TypeError: `budget` or `headroom` has the wrong type.
+        ValueError: `budget` is not positive or malformed, or `headroom` is outside
+            `[0, 1)` or given without a budget.
+        InfeasibleBudgetError: the strategy cannot meet the reduced budget;
+            `minimum` is the least budget (headroom included) it meets.
+
+    Example:
+        >>> from tfrecompute.strategies import Chain, optimal
+        >>> chain = Chain.homogeneous(16, activation_bytes=100)
+        >>> plan_within("plan", optimal, chain, 1200, 0.25).peak_bytes  # planned in 900
+        900
+    """
+    if budget is None:
+        if headroom is not None:
+            fail(
+                api,
+                "headroom only applies to a budget",
+                "headroom",
+                headroom,
+                "Pass a budget too, or leave headroom=None",
+            )
+        return strategy(chain, budget=None)
+    total = budget_bytes(budget, api=api, name="budget")
+    share = check_headroom(api, DEFAULT_HEADROOM if headroom is None else headroom)
+    planned = math.floor(total * (1 - share))
+    try:
+        return strategy(chain, budget=max(planned, 1))
+    except InfeasibleBudgetError as error:
+        least = math.ceil(error.minimum / (1 - share))
+        message = (
+            f"{api}: the plan must fit in {format_bytes(max(planned, 1))}, the budget "
+            f"{format_bytes(total)} less {float(share) * 100:.3g}% headroom for the allocator, but "
+            f"the least predicted peak the strategy reaches is {format_bytes(error.minimum)}. "
+            f"{received('budget', budget)}, headroom={headroom!r}. Raise the "
+            f"budget to at least {least} bytes, lower the headroom, or reduce the batch size."
+        )
+        raise InfeasibleBudgetError(message, budget=total, minimum=least) from None
+
+
+def check_headroom(api: str, value: Any) -> Fraction:
+    """Validates a headroom: a real number in `[0, 1)` (TypeError for other types)."""
+    fix = "Pass a share of the budget in [0, 1), e.g. headroom=0.3 (0 plans to the budget)"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        fail(api, "headroom must be a real number", "headroom", value, fix, error=TypeError)
+    share = float(value)
+    if not math.isfinite(share) or not 0 <= share < 1:
+        fail(api, "headroom must be in [0, 1)", "headroom", value, fix)
+    return Fraction(share)
