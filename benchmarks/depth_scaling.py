@@ -53,7 +53,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -203,24 +202,9 @@ def run_in_subprocess(
     depth: int, width: int, batch_size: int, steps: int, rounds: int
 ) -> dict[str, Any]:
     """Runs `measure_depth` in a fresh Python process and returns its result."""
-    command = [
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "--worker",
-        str(depth),
-        "--width",
-        str(width),
-        "--batch-size",
-        str(batch_size),
-        "--steps",
-        str(steps),
-        "--rounds",
-        str(rounds),
-    ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)
-    if result.returncode != 0:
-        raise RuntimeError(f"measuring depth {depth} failed:\n{result.stderr[-3000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    args = [f"--worker={depth}", f"--width={width}", f"--batch-size={batch_size}"]
+    args += [f"--steps={steps}", f"--rounds={rounds}"]
+    return _report.run_worker(Path(__file__).resolve(), args, timeout=900)
 
 
 def exponents(results: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:

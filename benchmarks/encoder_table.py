@@ -48,7 +48,6 @@ import contextlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -391,14 +390,8 @@ def run_all(config: dict[str, Any]) -> dict[str, Any]:
 
 def run_worker(task: list[str], config: dict[str, Any]) -> dict[str, Any]:
     """Runs one worker task in a fresh Python process; its progress goes to stderr."""
-    command = [sys.executable, __file__, "--worker", *task, "--config", json.dumps(config)]
-    result = subprocess.run(command, stdout=subprocess.PIPE, text=True, cwd=ROOT, timeout=3600)
-    if result.returncode != 0:
-        raise RuntimeError(
-            f"encoder_table worker {task} failed with exit code {result.returncode}; "
-            "its stderr is above."
-        )
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    args = ["--worker", *task, "--config", json.dumps(config)]
+    return _report.run_worker(Path(__file__).resolve(), args, timeout=3600, echo_stderr=True)
 
 
 # ----------------------------------------------------------------------- report

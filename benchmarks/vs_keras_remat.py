@@ -43,9 +43,7 @@ import contextlib
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -432,32 +430,8 @@ def measure(name: str, config_name: str) -> dict[str, Any]:
 
 def run_in_subprocesses(names: Sequence[str], config_name: str, jobs: int) -> list[dict[str, Any]]:
     """Runs `measure` for each model in a fresh Python process, `jobs` at a time."""
-    results: dict[str, dict[str, Any]] = {}
-    pending = list(names)
-    running: list[tuple[str, subprocess.Popen[bytes], Any, Any]] = []
-    try:
-        while pending or running:
-            while pending and len(running) < jobs:
-                name = pending.pop(0)
-                command = [sys.executable, __file__, "--worker", name, "--config", config_name]
-                # files, not pipes: a worker waiting on a full pipe would never finish
-                stdout, stderr = tempfile.TemporaryFile(), tempfile.TemporaryFile()
-                process = subprocess.Popen(command, stdout=stdout, stderr=stderr, cwd=ROOT)
-                running.append((name, process, stdout, stderr))
-            name, process, stdout, stderr = running.pop(0)
-            process.wait(timeout=1800)
-            stdout.seek(0)
-            stderr.seek(0)
-            output, errors = stdout.read().decode(), stderr.read().decode()
-            stdout.close()
-            stderr.close()
-            if process.returncode != 0:
-                raise RuntimeError(f"measuring {name} failed:\n{errors[-3000:]}")
-            results[name] = json.loads(output.strip().splitlines()[-1])
-    finally:
-        for _, process, _, _ in running:
-            process.kill()
-    return [results[name] for name in names]
+    tasks = [["--worker", name, "--config", config_name] for name in names]
+    return _report.run_workers(Path(__file__).resolve(), tasks, jobs=jobs, timeout=1800)
 
 
 # --------------------------------------------------------------------- report
