@@ -24,16 +24,19 @@ TensorFlow's CPU allocator statistics record nothing; smoke: width 128, batch
   the allocator's rounding, NOTE [ Budget headroom ]).
 
 Each plan's model (`tfrecompute.recompute(model, plan)`, or the original for a
-plan without segments) is compiled with SGD and MSE and measured with
-`tfrecompute.measure_step` (one warm-up step, then `--steps` steps: the largest
-peak the step added and the median step time). All plans of one L run side by
-side in one fresh process, so the allocator's state after earlier depths does
-not shape the peaks; the peak reported is that of each plan's first
-measurement. Then `--rounds - 1` more measurements take turns between the plans;
-a plan's time is reported as the median over the rounds of its step time divided
-by that of `none` in the same round (plans of one round ran close in time, so
-a burst of load from other processes slows them alike), since an absolute time
-says little on a shared machine. The JSON also keeps every round's times.
+plan without segments) is compiled with SGD and MSE and measured as
+`tfrecompute.measure_step` does (`_report.measure_steps`: one warm-up step,
+then `--steps` steps: the largest peak the step added and the median step time,
+in wall time, `time.perf_counter()`, and in CPU time, `time.process_time()`,
+all threads of the process). All plans of one L run side by side in one fresh
+process, so the allocator's state after earlier depths does not shape the
+peaks; the peak reported is that of each plan's first measurement. Then
+`--rounds - 1` more measurements take turns between the plans; a plan's time is
+reported as the median over the rounds of its step time divided by that of
+`none` in the same round (plans of one round ran close in time, so a burst of
+load from other processes slows them alike), since an absolute time says little
+on a shared machine; the CPU-time ratio is steadier than the wall-time one. The
+JSON also keeps every round's times.
 
 Then the growth exponent k of peak ~ c * L^k is fitted per plan by least squares
 on log(peak) against log(L), for the measured and for the predicted peaks, over
@@ -53,10 +56,9 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -146,8 +148,13 @@ def measure_depth(
     store_all = strategies.simulate(chain, []).peak_bytes
     budget = min(2 * least, store_all)
     forward = chain.total_forward_cost
-    plans, models, steps_ = [], [], []
-    for variant in VARIANTS:
+
+    def turn(rewritten: Any) -> Callable[[_report.StepTimes], int]:
+        return lambda times: _report.measure_steps(rewritten, x, y, times, steps=steps)
+
+    plans, turns, first = [], [], []
+    times = [_report.StepTimes() for _ in VARIANTS]
+    for variant, variant_times in zip(VARIANTS, times):
         plan = tfrecompute.plan(
             model,
             variant,
@@ -158,16 +165,17 @@ def measure_depth(
         rewritten = tfrecompute.recompute(model, plan) if plan.segments else model
         rewritten.compile(optimizer="sgd", loss="mse")
         plans.append(plan)
-        models.append(rewritten)
-        steps_.append([tfrecompute.measure_step(rewritten, x, y, steps=steps)])
+        turns.append(turn(rewritten))
+        # The first round right after the plan's model is built: its memory is reported.
+        first.append(_report.interleaved_rounds(turns[-1:], [variant_times], rounds=1)[0])
     # Timing rounds: the plans take turns, so that a burst of load from other
     # processes slows the plans of one round alike.
-    for _ in range(rounds - 1):
-        for rewritten, measured in zip(models, steps_):
-            measured.append(tfrecompute.measure_step(rewritten, x, y, steps=steps))
+    later = _report.interleaved_rounds(turns, times, rounds=rounds - 1)
     rows = []
-    for variant, plan, measured in zip(VARIANTS, plans, steps_):
-        peak = measured[0].peak_bytes  # the first run of each plan: its memory is reported
+    for variant, plan, variant_times, peaks, more in zip(VARIANTS, plans, times, first, later):
+        peaks += more
+        peak = peaks[0]  # the first run of each plan: its memory is reported
+        wall, cpu = variant_times.wall_per_round(), variant_times.cpu_per_round()
         rows.append(
             {
                 "variant": variant,
@@ -176,24 +184,28 @@ def measure_depth(
                 "budget_bytes": budget if variant == "optimal" else None,
                 "predicted_bytes": plan.peak_bytes,
                 "measured_bytes": peak,
-                "measured_bytes_rounds": [m.peak_bytes for m in measured],
+                "measured_bytes_rounds": peaks,
                 "error": plan.peak_bytes / peak - 1 if peak else None,
                 "recompute_cost": plan.recompute_cost,
                 "recompute_share": plan.recompute_cost / forward if forward else 0.0,
-                "seconds": min(m.seconds for m in measured),
-                "seconds_rounds": [m.seconds for m in measured],
+                "seconds": min(wall),
+                "seconds_rounds": wall,
+                "cpu_seconds": min(cpu),
+                "cpu_seconds_rounds": cpu,
             }
         )
-    base = rows[0]["seconds_rounds"]
+    base = rows[0]
     for row in rows:  # the ratio within each round (run close in time), then the median
-        row["time_ratio"] = statistics.median(t / b for t, b in zip(row["seconds_rounds"], base))
+        for key in ("", "cpu_"):
+            ratios = zip(row[f"{key}seconds_rounds"], base[f"{key}seconds_rounds"])
+            row[f"{key}time_ratio"] = statistics.median(t / b for t, b in ratios)
     return {
         "depth": depth,
         "links": chain.n,
         "activation_bytes": chain.output_bytes[0],
         "min_peak_bytes": least,
         "store_all_bytes": store_all,
-        "device": steps_[0][0].device,
+        "device": _report.default_device(),
         "worker_seconds": time.perf_counter() - start,
         "rows": rows,
     }
@@ -203,24 +215,9 @@ def run_in_subprocess(
     depth: int, width: int, batch_size: int, steps: int, rounds: int
 ) -> dict[str, Any]:
     """Runs `measure_depth` in a fresh Python process and returns its result."""
-    command = [
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "--worker",
-        str(depth),
-        "--width",
-        str(width),
-        "--batch-size",
-        str(batch_size),
-        "--steps",
-        str(steps),
-        "--rounds",
-        str(rounds),
-    ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)
-    if result.returncode != 0:
-        raise RuntimeError(f"measuring depth {depth} failed:\n{result.stderr[-3000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    args = [f"--worker={depth}", f"--width={width}", f"--batch-size={batch_size}"]
+    args += [f"--steps={steps}", f"--rounds={rounds}"]
+    return _report.run_worker(Path(__file__).resolve(), args, timeout=900)
 
 
 def exponents(results: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
@@ -267,12 +264,13 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"Model: `keras.Sequential` of L `Dense({settings['width']}, tanh)` at batch "
         f"{settings['batch_size']} ({format(results[0]['activation_bytes'] / MiB, '.2f')} MiB "
-        "per activation); one compiled SGD training step measured with `measure_step` "
+        "per activation); one compiled SGD training step measured as `measure_step` does "
         f"(memory: the largest of {settings['steps']} steps after a warm-up, in the first of "
         f"{settings['rounds']} rounds taking turns), each L in a fresh process with its "
         "three plans side by side. `optimal` budget: min(2 x least feasible peak, "
         "peak of storing everything). Error = predicted / measured - 1; time x none = median "
-        "over the rounds of the median step time / that of `none` in the same round; "
+        "over the rounds of the median step time / that of `none` in the same round, in CPU "
+        "time (`time.process_time()`, all threads) and in wall time; "
         "recompute = recomputed forward cost in % of one forward pass.",
         "",
         "| L | plan | segments | measured MiB | predicted MiB | error | time x none | "
@@ -285,7 +283,8 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(
                 f"| {result['depth']} | {row['variant']} | {row['segments']} | "
                 f"{row['measured_bytes'] / MiB:.1f} | {row['predicted_bytes'] / MiB:.1f} | "
-                f"{error} | {row['time_ratio']:.2f} | {100 * row['recompute_share']:.0f} |"
+                f"{error} | {_report.ratios(row['cpu_time_ratio'], row['time_ratio'])} | "
+                f"{100 * row['recompute_share']:.0f} |"
             )
     lines += [
         "",

@@ -33,7 +33,11 @@ Columns:
   the peak of storing everything.
 * Samples per second at the fixed batch, relative to `none`: all four models
   live in one process and are timed in interleaved rounds (median step time
-  over the rounds); a ratio says more than an absolute time on a shared machine.
+  over the rounds), each step in wall time (`time.perf_counter()`) and in CPU
+  time (`time.process_time()`, all threads of the process, steadier on a
+  shared machine); a ratio says more than an absolute time on a shared machine.
+  The steps are measured as `tfrecompute.measure_step` does
+  (`_report.measure_steps`), which also gives the step memory.
 
 Each row's search runs in its own fresh process (clearing the Keras session
 between probes), the fixed-batch column in one more, so that no earlier
@@ -48,7 +52,6 @@ import contextlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -355,26 +358,46 @@ def fixed_batch(config: dict[str, Any]) -> dict[str, Any]:
             "predicted_bytes": plan.peak_bytes,
             "measured_bytes_per_round": [],
             "seconds_per_round": [],
+            "cpu_seconds_per_round": [],
         }
     x, y = synthetic_batch(originals["float32"], batch)
-    order = list(ROWS)
-    for round_ in range(config["timing_rounds"]):
-        # Alternate the order, so that no row always runs right after the same one.
-        for row in order if round_ % 2 == 0 else order[::-1]:
-            step = tfrecompute.measure_step(models[row], x, y, steps=config["timing_steps"])
-            results[row]["measured_bytes_per_round"].append(step.peak_bytes)
-            results[row]["seconds_per_round"].append(step.seconds)
+
+    def turn(row: str) -> Callable[[_report.StepTimes], int]:
+        def measure(times: _report.StepTimes) -> int:
+            peak = _report.measure_steps(models[row], x, y, times, steps=config["timing_steps"])
             _log(
-                f"batch {batch}, round {round_}, {row}: {step.peak_bytes / MIB:.1f} MiB, "
-                f"{step.seconds:.3f} s"
+                f"batch {batch}, round {len(times.wall) - 1}, {row}: {peak / MIB:.1f} MiB, "
+                f"{statistics.median(times.wall[-1]):.3f} s wall, "
+                f"{statistics.median(times.cpu[-1]):.3f} s CPU"
             )
-    none_seconds = statistics.median(results["none"]["seconds_per_round"])
+            return peak
+
+        return measure
+
+    # Alternate the order, so that no row always runs right after the same one.
+    times = {row: _report.StepTimes() for row in ROWS}
+    peaks = _report.interleaved_rounds(
+        [turn(row) for row in ROWS],
+        list(times.values()),
+        rounds=config["timing_rounds"],
+        alternate=True,
+    )
+    for row, row_peaks in zip(ROWS, peaks):
+        results[row]["measured_bytes_per_round"] = row_peaks
+        results[row]["seconds_per_round"] = times[row].wall_per_round()
+        results[row]["cpu_seconds_per_round"] = times[row].cpu_per_round()
+    none = results["none"]
+    none_seconds = statistics.median(none["seconds_per_round"])
+    none_cpu_seconds = statistics.median(none["cpu_seconds_per_round"])
     for result in results.values():
         seconds = statistics.median(result["seconds_per_round"])
+        cpu_seconds = statistics.median(result["cpu_seconds_per_round"])
         result["measured_bytes"] = max(result["measured_bytes_per_round"])
         result["seconds"] = seconds
+        result["cpu_seconds"] = cpu_seconds
         result["samples_per_second"] = batch / seconds
         result["throughput_ratio"] = none_seconds / seconds
+        result["cpu_throughput_ratio"] = none_cpu_seconds / cpu_seconds
         result["error"] = result["predicted_bytes"] / result["measured_bytes"] - 1
     return {
         "rows": results,
@@ -391,14 +414,8 @@ def run_all(config: dict[str, Any]) -> dict[str, Any]:
 
 def run_worker(task: list[str], config: dict[str, Any]) -> dict[str, Any]:
     """Runs one worker task in a fresh Python process; its progress goes to stderr."""
-    command = [sys.executable, __file__, "--worker", *task, "--config", json.dumps(config)]
-    result = subprocess.run(command, stdout=subprocess.PIPE, text=True, cwd=ROOT, timeout=3600)
-    if result.returncode != 0:
-        raise RuntimeError(
-            f"encoder_table worker {task} failed with exit code {result.returncode}; "
-            "its stderr is above."
-        )
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    args = ["--worker", *task, "--config", json.dumps(config)]
+    return _report.run_worker(Path(__file__).resolve(), args, timeout=3600, echo_stderr=True)
 
 
 # ----------------------------------------------------------------------- report
@@ -428,11 +445,12 @@ def markdown(report: dict[str, Any]) -> str:
         f"{settings['max_batch']}) whose measured step peak fits the {_mib(cap)} MiB cap, "
         "found by an exponential then binary search; the optimal rows plan at each batch "
         "with budget = the cap. Memory and throughput at batch "
-        f"{batch}: measured with `measure_step` (the peak the step adds to the allocator), "
+        f"{batch}: measured as `measure_step` does (the peak the step adds to the allocator), "
         "predicted by the planner; the optimal rows there plan with budget = the cap "
         "(halfway between the least feasible peak and storing everything when the cap is "
         f"infeasible). Throughput: median of {settings['timing_rounds']} interleaved rounds "
-        "in one process, relative to no recompute. Recompute: the recomputed share of "
+        "in one process, relative to no recompute, in CPU time (`time.process_time()`, all "
+        "threads) and in wall time; samples/s in wall time. Recompute: the recomputed share of "
         "one forward pass.",
         "",
         f"| variant | max batch under {_mib(cap)} MiB | probes | segments @{batch} | "
@@ -453,7 +471,8 @@ def markdown(report: dict[str, Any]) -> str:
             f"{len(search['probes'])} | {fixed['segments']} | "
             f"{100 * fixed['recompute_share']:.0f}% | {_mib(fixed['measured_bytes'])} | "
             f"{_mib(fixed['predicted_bytes'])} | {fixed['error']:+.1%} | "
-            f"{fixed['samples_per_second']:.1f} | {fixed['throughput_ratio']:.2f} |"
+            f"{fixed['samples_per_second']:.1f} | "
+            f"{_report.ratios(fixed['cpu_throughput_ratio'], fixed['throughput_ratio'])} |"
         )
     lines += [
         "",

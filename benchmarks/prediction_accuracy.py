@@ -25,7 +25,6 @@ import json
 import os
 import pathlib
 import platform
-import subprocess
 import sys
 from typing import Any
 
@@ -98,12 +97,8 @@ def measure(name: str, batch_size: int, traces: int = TRACES) -> dict[str, objec
 
 def run_in_subprocess(name: str, batch_size: int, traces: int = TRACES) -> dict[str, object]:
     """Runs `measure` for one model in a fresh Python process."""
-    command = [sys.executable, __file__, "--worker", name, "--batch-size", str(batch_size)]
-    command += ["--traces", str(traces)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    if result.returncode != 0:
-        raise RuntimeError(f"measuring {name} failed:\n{result.stderr[-3000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    args = ["--worker", name, "--batch-size", str(batch_size), "--traces", str(traces)]
+    return _report.run_worker(pathlib.Path(__file__).resolve(), args, timeout=600)
 
 
 def merge_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:

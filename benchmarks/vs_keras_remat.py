@@ -23,9 +23,11 @@ seeds match), trained by the compiled (graph-mode) train step:
   between the planner's least feasible peak and the peak of storing
   everything.
 
-For each: the peak bytes one training step added and its median time
-(`tfrecompute.measure_step`, the train function `model.fit` runs), as ratios
-to the no-recompute row of the same model in the same process; whether
+For each: the peak bytes one training step added (`tfrecompute.measure_step`,
+the train function `model.fit` runs) and the median time of that step over
+rounds taking the variants in turn, in wall time (`time.perf_counter()`) and in
+CPU time (`time.process_time()`, steadier on a shared machine), as ratios to
+the no-recompute row of the same model in the same process; whether
 `model.fit(x, y, epochs=1)` runs in graph mode (and, for the Keras modes,
 with `run_eagerly=True`); and the largest difference between the variant's
 gradients of one batch (under `tf.function`, in training mode) and the
@@ -43,9 +45,7 @@ import contextlib
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -293,11 +293,10 @@ def _make(
 def _interleaved_times(
     timed: list[tuple[dict[str, Any], Any, Any]], x: Any, y: Any, rounds: int
 ) -> None:
-    """Median train-step seconds per variant, taking the variants in turn in each round.
+    """Median train-step wall and CPU seconds per variant, the variants in turn in each round.
 
-    On a shared machine the load drifts; taking the variants in turn exposes them
-    all to the same drift, so their ratios hold better than those of timings
-    taken one variant after the other.
+    `_report.interleaved_rounds`: one step per variant and round, after an
+    untimed round that traces the train functions again.
     """
     import statistics
 
@@ -305,16 +304,20 @@ def _interleaved_times(
 
     x = tf.nest.map_structure(tf.convert_to_tensor, x)
     y = tf.convert_to_tensor(y)
-    times: list[list[float]] = [[] for _ in timed]
-    for round_ in range(rounds + 1):  # round 0 traces the train functions again
-        for i, (_, model, scope) in enumerate(timed):
+
+    def turn(model: Any, scope: Any) -> Any:
+        def step(times: _report.StepTimes) -> None:
             with scope:
-                started = time.perf_counter()
-                model.train_on_batch(x, y)
-                if round_:
-                    times[i].append(time.perf_counter() - started)
-    for (row, _, _), seconds in zip(timed, times):
-        row["seconds"] = statistics.median(seconds)
+                times.time(lambda: model.train_on_batch(x, y))
+
+        return step
+
+    times = [_report.StepTimes() for _ in timed]
+    turns = [turn(model, scope) for _, model, scope in timed]
+    _report.interleaved_rounds(turns, times, rounds=rounds, untimed=1)
+    for (row, _, _), variant in zip(timed, times):
+        row["seconds"] = statistics.median(variant.wall_per_round())
+        row["cpu_seconds"] = statistics.median(variant.cpu_per_round())
 
 
 def measure(name: str, config_name: str) -> dict[str, Any]:
@@ -350,6 +353,7 @@ def measure(name: str, config_name: str) -> dict[str, Any]:
             "error_stage": None,
             "peak_bytes": None,
             "seconds": None,
+            "cpu_seconds": None,
             "measure_step_seconds": None,
             "fit_graph": None,
             "fit_graph_error": None,
@@ -424,40 +428,17 @@ def measure(name: str, config_name: str) -> dict[str, Any]:
         if row["peak_bytes"] is not None and none["peak_bytes"]:
             row["memory_ratio"] = row["peak_bytes"] / none["peak_bytes"]
             row["time_ratio"] = row["seconds"] / none["seconds"]
+            row["cpu_time_ratio"] = row["cpu_seconds"] / none["cpu_seconds"]
         else:
-            row["memory_ratio"] = row["time_ratio"] = None
+            row["memory_ratio"] = row["time_ratio"] = row["cpu_time_ratio"] = None
     links = next((row["links"] for row in rows if row.get("links")), None)
     return {"model": name, "config": config, "links": links, "rows": rows}
 
 
 def run_in_subprocesses(names: Sequence[str], config_name: str, jobs: int) -> list[dict[str, Any]]:
     """Runs `measure` for each model in a fresh Python process, `jobs` at a time."""
-    results: dict[str, dict[str, Any]] = {}
-    pending = list(names)
-    running: list[tuple[str, subprocess.Popen[bytes], Any, Any]] = []
-    try:
-        while pending or running:
-            while pending and len(running) < jobs:
-                name = pending.pop(0)
-                command = [sys.executable, __file__, "--worker", name, "--config", config_name]
-                # files, not pipes: a worker waiting on a full pipe would never finish
-                stdout, stderr = tempfile.TemporaryFile(), tempfile.TemporaryFile()
-                process = subprocess.Popen(command, stdout=stdout, stderr=stderr, cwd=ROOT)
-                running.append((name, process, stdout, stderr))
-            name, process, stdout, stderr = running.pop(0)
-            process.wait(timeout=1800)
-            stdout.seek(0)
-            stderr.seek(0)
-            output, errors = stdout.read().decode(), stderr.read().decode()
-            stdout.close()
-            stderr.close()
-            if process.returncode != 0:
-                raise RuntimeError(f"measuring {name} failed:\n{errors[-3000:]}")
-            results[name] = json.loads(output.strip().splitlines()[-1])
-    finally:
-        for _, process, _, _ in running:
-            process.kill()
-    return [results[name] for name in names]
+    tasks = [["--worker", name, "--config", config_name] for name in names]
+    return _report.run_workers(Path(__file__).resolve(), tasks, jobs=jobs, timeout=1800)
 
 
 # --------------------------------------------------------------------- report
@@ -498,7 +479,9 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         "Step MiB: the peak one compiled training step added (`tfrecompute.measure_step`, "
         "SGD, the train function `model.fit` runs). x none: ratios to the no-recompute row "
-        "of the same model. fit: `model.fit(x, y, epochs=1)` compiled (graph) / with "
+        "of the same model; time: the median train step over interleaved rounds, in CPU "
+        "time (`time.process_time()`, all threads of the process) and in wall time "
+        "(`time.perf_counter()`). fit: `model.fit(x, y, epochs=1)` compiled (graph) / with "
         "`run_eagerly=True`. Gradient diff: the largest absolute difference from the "
         "no-recompute model's gradients of one training-mode batch with the same weights and "
         "dropout seeds, under `tf.function` (graph) or, where that fails, eagerly; "
@@ -518,7 +501,7 @@ def markdown(report: dict[str, Any]) -> str:
         for row in result["rows"]:
             mib = "-" if row["peak_bytes"] is None else f"{row['peak_bytes'] / 2**20:.1f}"
             memory = "-" if row["memory_ratio"] is None else f"{row['memory_ratio']:.2f}"
-            speed = "-" if row["time_ratio"] is None else f"{row['time_ratio']:.2f}"
+            speed = _report.ratios(row["cpu_time_ratio"], row["time_ratio"])
             grad = "-"
             if row["grad_max_diff"] is not None:
                 off = row["grad_wrong_share"]

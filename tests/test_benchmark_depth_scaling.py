@@ -58,7 +58,11 @@ def test_smoke_run_writes_results(tmp_path: Path) -> None:
             assert row["measured_bytes"] > 0, (result["depth"], row)
             assert row["predicted_bytes"] > 0, (result["depth"], row)
             assert row["seconds"] > 0 and row["time_ratio"] > 0
+            assert row["cpu_seconds"] > 0 and row["cpu_time_ratio"] > 0
+            assert len(row["cpu_seconds_rounds"]) == len(row["seconds_rounds"]) == 2
+            ratios = f"{row['cpu_time_ratio']:.2f}x CPU / {row['time_ratio']:.2f}x wall"
             assert f"| {result['depth']} | {row['variant']} | {row['segments']} |" in table
+            assert ratios in table
         none, sqrt, optimal = result["rows"]
         assert none["segments"] == 0 and sqrt["segments"] >= 2
         assert optimal["predicted_bytes"] <= optimal["budget_bytes"]

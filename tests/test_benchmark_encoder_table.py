@@ -130,9 +130,14 @@ def test_smoke_run_writes_a_consistent_table(tmp_path):
         for key in ("measured_bytes", "predicted_bytes", "seconds", "samples_per_second"):
             assert fixed[key] > 0, (row["name"], key)
         assert fixed["throughput_ratio"] > 0
+        assert fixed["cpu_seconds"] > 0 and fixed["cpu_throughput_ratio"] > 0
         assert len(fixed["seconds_per_round"]) == report["settings"]["timing_rounds"]
+        assert len(fixed["cpu_seconds_per_round"]) == report["settings"]["timing_rounds"]
+        ratios = f"{fixed['cpu_throughput_ratio']:.2f}x CPU / {fixed['throughput_ratio']:.2f}x wall"
+        assert ratios in table
 
     assert rows["none"]["fixed"]["throughput_ratio"] == 1.0
+    assert rows["none"]["fixed"]["cpu_throughput_ratio"] == 1.0
     assert rows["none"]["fixed"]["segments"] == 0
     assert rows["uniform"]["fixed"]["segments"] > 0
     assert rows["uniform"]["fixed"]["strategy"].startswith("uniform:")

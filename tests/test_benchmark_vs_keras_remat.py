@@ -30,6 +30,7 @@ def test_smoke_writes_both_models_and_the_machine(smoke: tuple[dict, str]) -> No
     assert f"{report['machine']['cpu_count']} CPUs" in table
     for variant in (*TFRECOMPUTE_ROWS, *(f"keras {mode}" for mode in KERAS_MODES)):
         assert f"| {variant} |" in table
+    assert "| 1.00x CPU / 1.00x wall |" in table  # the no-recompute rows
 
 
 @pytest.mark.slow
@@ -59,9 +60,11 @@ def test_tfrecompute_rows_run_with_exact_gradients(smoke: tuple[dict, str], mode
         row = rows[variant]
         assert row["error"] is None and row["fit_graph"] is True, row
         assert row["peak_bytes"] > 0 and row["seconds"] > 0 and row["time_ratio"] > 0, row
+        assert row["cpu_seconds"] > 0 and row["cpu_time_ratio"] > 0, row
         # graph mode, same weights and dropout seeds as the no-recompute model
         assert row["grad_mode"] == "graph" and row["grad_max_diff"] < 1e-5, row
     assert rows["none"]["memory_ratio"] == rows["none"]["time_ratio"] == 1.0
+    assert rows["none"]["cpu_time_ratio"] == 1.0
     assert rows["tfrecompute sqrt"]["segments"] >= 2
 
 
