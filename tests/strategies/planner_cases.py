@@ -33,6 +33,11 @@ def all_segment_sets(n: int) -> Iterator[Segments]:
     return rec(0)
 
 
+def allowed_segment_sets(chain: Chain) -> list[Segments]:
+    """Every plan of `chain` that its `max_stop` allows."""
+    return [p for p in all_segment_sets(chain.n) if all(chain.allowed(s, e) for s, e in p)]
+
+
 def _units(chain: Chain) -> tuple[list[int], int]:
     """Costs as integers over a common denominator (floats are dyadic rationals)."""
     fractions = [Fraction(c) for c in chain.forward_cost]
@@ -47,10 +52,10 @@ def exact_cost(chain: Chain, segments: Segments) -> Fraction:
 
 
 def brute_force(chain: Chain) -> list[tuple[int, Fraction, int, Segments]]:
-    """(peak, exact cost, number of segments, segments) of every plan, via `simulate`."""
+    """(peak, exact cost, number of segments, segments) of every allowed plan, via `simulate`."""
     units, denominator = _units(chain)
     table = []
-    for segments in all_segment_sets(chain.n):
+    for segments in allowed_segment_sets(chain):
         peak, _ = estimate(chain, segments)
         cost = Fraction(sum(units[j] for s, e in segments for j in range(s, e)), denominator)
         table.append((peak, cost, len(segments), segments))
@@ -75,6 +80,35 @@ def random_carries(rng: random.Random, n: int, sizes: list[int]) -> list[tuple[i
         producer = rng.randrange(0, n - 1)
         carries.append((producer, rng.randint(producer + 2, n), rng.choice(sizes)))
     return carries
+
+
+def limits(kinds: list[int], cuts: list[bool]) -> list[int]:
+    """`Chain.max_stop` from per-link kinds: 0 free, 1 one link at a time, 2 never recomputed.
+
+    Free links form regions that end at a cut (or at a link of another kind),
+    like the calls of one Functional graph between a subclassed layer's calls.
+    """
+    n = len(kinds)
+    stops = [n] * n
+    end = n
+    for s in range(n - 1, -1, -1):
+        if kinds[s] == 2:
+            stops[s], end = s, s
+        elif kinds[s] == 1:
+            stops[s], end = s + 1, s
+        else:
+            if cuts[s]:
+                end = s + 1
+            stops[s] = end
+    return stops
+
+
+def random_limits(rng: random.Random, n: int) -> list[int] | None:
+    """No limits half of the time, else random regions, singletons and fixed links."""
+    if rng.random() < 0.5:
+        return None
+    kinds = [rng.choice([0, 0, 0, 1, 2]) for _ in range(n)]
+    return limits(kinds, [rng.random() < 0.2 for _ in range(n)])
 
 
 def random_chain(rng: random.Random, n: int, *, scale: int = 1) -> Chain:
@@ -102,6 +136,7 @@ def random_chain(rng: random.Random, n: int, *, scale: int = 1) -> Chain:
         applied_grad_bytes=[rng.choice([0, 0, 2, 5]) * scale for _ in range(n)],
         input_copy_bytes=[rng.choice([a, 0]) for a in activations],
         update_workspace_bytes=rng.choice([0, 0, 4, 30]) * scale,
+        max_stop=random_limits(rng, n),
     )
 
 
@@ -164,6 +199,10 @@ def chains(draw: hs.DrawFn, *, max_layers: int = 8, min_layers: int = 1) -> Chai
     input_grads = [int(a * share) for a, share in zip([first, *outputs[:-1]], shares)]
     copied = draw(hs.lists(hs.booleans(), min_size=n, max_size=n))
     copies = [a if c else 0 for a, c in zip([first, *outputs[:-1]], copied)]
+    stops = None
+    if draw(hs.booleans()):
+        kinds = draw(hs.lists(hs.sampled_from([0, 0, 0, 1, 2]), min_size=n, max_size=n))
+        stops = limits(kinds, draw(hs.lists(hs.booleans(), min_size=n, max_size=n)))
     return Chain(
         first,
         outputs,
@@ -178,4 +217,5 @@ def chains(draw: hs.DrawFn, *, max_layers: int = 8, min_layers: int = 1) -> Chai
         applied_grad_bytes=updates,
         input_copy_bytes=copies,
         update_workspace_bytes=draw(hs.sampled_from([0, 0, 6, 50])),
+        max_stop=stops,
     )

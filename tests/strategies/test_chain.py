@@ -383,3 +383,29 @@ def test_input_grad_bytes_errors(
 ) -> None:
     with pytest.raises(error, match=match):
         Chain(3, [4, 5, 6], [4, 5, 6], [1.0] * 3, input_grad_bytes=input_grad_bytes)  # type: ignore[arg-type]
+
+
+def test_max_stop_limits_the_segments() -> None:
+    chain = Chain(1, [1] * 4, [1] * 4, [1.0] * 4, max_stop=[2, 2, 2, 4])
+    assert chain.allowed(0, 2) and not chain.allowed(0, 3)
+    assert not chain.allowed(2, 3)  # link 2 cannot be recomputed
+    assert Chain(1, [1] * 3, [1] * 3, [1.0] * 3).max_stop == (3, 3, 3)
+    with pytest.raises(ValueError, match=r"max_stop\[1\] is outside 1\.\.4"):
+        Chain(1, [1] * 4, [1] * 4, [1.0] * 4, max_stop=[2, 0, 2, 4])
+    with pytest.raises(TypeError, match=r"max_stop\[0\] is not an int"):
+        Chain(1, [1] * 2, [1] * 2, [1.0] * 2, max_stop=[1.5, 2])
+
+
+def test_every_strategy_keeps_within_max_stop() -> None:
+    from tfrecompute import strategies as st
+
+    chain = Chain(
+        8, [8] * 8, [8] * 8, [1.0] * 8, max_stop=[3, 3, 3, 3, 5, 6, 8, 8], names=list("abcdefgh")
+    )
+    for name in st.available():
+        plan = st.get(name)(chain)
+        assert all(chain.allowed(s, e) for s, e in plan.segments), (name, plan.segments)
+    for k in (1, 3, 8):
+        assert all(chain.allowed(s, e) for s, e in st.uniform(k)(chain).segments)
+    with pytest.raises(ValueError, match=r"segment \(0, 4\) is not allowed by the chain"):
+        st.Plan.from_segments(chain, [(0, 4)])

@@ -7,7 +7,7 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hs
-from planner_cases import all_segment_sets, chains
+from planner_cases import allowed_segment_sets, chains
 
 from tfrecompute.strategies import Chain, Estimate, MemoryEvent, _solver, simulate, timeline
 
@@ -238,7 +238,7 @@ def test_homogeneous_docstring_values() -> None:
 @settings(deadline=None, max_examples=60)
 @given(chains(max_layers=7), hs.data())
 def test_simulate_is_the_max_of_timeline(chain: Chain, data: hs.DataObject) -> None:
-    plans = list(all_segment_sets(chain.n))
+    plans = allowed_segment_sets(chain)
     segments = plans[data.draw(hs.integers(0, len(plans) - 1))]
     events = timeline(chain, segments)
     estimate = simulate(chain, segments)
@@ -262,7 +262,7 @@ def test_simulate_is_the_max_of_timeline(chain: Chain, data: hs.DataObject) -> N
 @given(chains(max_layers=7), hs.data())
 def test_element_formula_matches_simulate(chain: Chain, data: hs.DataObject) -> None:
     """The closed form the solver relies on (NOTE [ The element formula ])."""
-    plans = list(all_segment_sets(chain.n))
+    plans = allowed_segment_sets(chain)
     segments = plans[data.draw(hs.integers(0, len(plans) - 1))]
     pb = _solver.Problem.from_chain(chain)
     held, peak = chain.input_bytes, 0

@@ -146,6 +146,7 @@ class Problem:
     bound: int
     carries: tuple[tuple[int, int, int], ...]
     forward_dominated: bool
+    max_width: Array  # max_width[s]: the most links a segment starting at s may hold
     carry_first: list[int] = field(init=False)
     carry_at: int = field(init=False)
     carry_row: Array = field(init=False)
@@ -216,6 +217,7 @@ class Problem:
             bound=bound,
             carries=chain.carries,
             forward_dominated=all(out <= kept for out, kept in zip(carried_out, saved)),
+            max_width=np.array(chain.max_stop, dtype=np.int64) - np.arange(n),
         )
 
     def carried(self, s: int, width: int) -> Array:
@@ -240,7 +242,7 @@ class Problem:
         """`L(s, e)` and `h(s, e)` for `e = s+1 .. s+W`.
 
         `W` is the last `e` whose lower bound on `L(s, e)` (the backward terms,
-        nondecreasing in `e`) fits `cap`.
+        nondecreasing in `e`) fits `cap`, and at most `max_stop[s] - s`.
         """
         M2 = self.g2[s:].copy()  # links j >= e - 1 - lag: their own window of updates
         for shift in range(1, self.lag + 1):
@@ -250,7 +252,7 @@ class Problem:
             held += self.Us[s + self.lag + 2 :]
             np.maximum(M2[self.lag + 1 :], held, out=M2[self.lag + 1 :])
         M2 += self.K[s] - self.Ss[s]  # K_s: the copy of x_s the recompute reads
-        width = int(np.searchsorted(M2, cap, side="right"))
+        width = min(int(np.searchsorted(M2, cap, side="right")), int(self.max_width[s]))
         M1 = np.maximum.accumulate(self.g1[s : s + width]) + (self.K[s] - self.Ss[s])
         L = np.maximum(M2[:width], self.aG[s + 1 : s + 1 + width] + M1)
         held = self.a[s + 1 : s + 1 + width]

@@ -4,6 +4,7 @@ Each strategy is a plain function `(chain, budget=None) -> Plan`. `none`,
 `uniform(k)` and `sqrt` ignore the budget when planning; when one is given and
 their plan's peak exceeds it, they raise `InfeasibleBudgetError` (whose
 `minimum` is their own peak) rather than return a plan that does not fit.
+Every strategy here cuts its segments to what `Chain.max_stop` allows.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from tfrecompute._messages import as_positive_int
 from tfrecompute.strategies import _solver
 from tfrecompute.strategies.chain import Chain
 from tfrecompute.strategies.plan import Budget, Plan, Strategy, infeasible
-from tfrecompute.strategies.simulate import carry_profile, check_chain, estimate
+from tfrecompute.strategies.simulate import carry_profile, check_chain, estimate, within_limits
 from tfrecompute.strategies.units import budget_bytes
 
 __all__ = ["heuristic", "none", "sqrt", "uniform"]
@@ -144,7 +145,7 @@ def heuristic(chain: Chain, budget: Budget | None = None) -> Plan:
     for share in _STORED_SHARES:
         stored = set(by_ratio[: int(share * n)])
         for threshold in thresholds:
-            candidates.add(_greedy(chain, stored, threshold))
+            candidates.add(within_limits(chain, _greedy(chain, stored, threshold)))
     scored = []
     for segments in candidates:
         peak, cost = estimate(chain, segments)
@@ -203,6 +204,7 @@ def _fixed_plan(
     api: str, chain: Chain, segments: tuple[tuple[int, int], ...], budget: Budget | None
 ) -> Plan:
     check_chain(api, chain)
+    segments = within_limits(chain, segments)
     peak, cost = estimate(chain, segments)
     if budget is not None:
         limit = budget_bytes(budget, api=api, name="budget")

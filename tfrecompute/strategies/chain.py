@@ -78,6 +78,14 @@ class Chain:
             all alive (default 0): the copies an optimizer that needs all
             gradients makes of them (clipped or unscaled gradients). The step's
             end is folded into link 0's backward pass, so they count there.
+        max_stop: `max_stop[s]` is the largest stop of a segment starting at
+            link `s`: `[s, e)` may be recomputed as one block only if `e <=
+            max_stop[s]`, and `max_stop[s] == s` means link `s` cannot be
+            recomputed at all (default `n` everywhere: no constraint). A
+            profiled model sets it where its structure limits the blocks:
+            links inside a subclassed layer are checkpointed one call at a
+            time, a block already in the model is not nested in another, and
+            links no gradient reaches gain nothing from a recompute.
         source: what the chain was profiled from, opaque to the planner and
             not part of equality or repr: `tfrecompute.profile` sets it to the
             model's link map, so that `tfrecompute.recompute(model, plan)`
@@ -113,6 +121,7 @@ class Chain:
     applied_grad_bytes: tuple[int, ...]
     input_copy_bytes: tuple[int, ...]
     update_workspace_bytes: int
+    max_stop: tuple[int, ...]
     source: object = field(default=None, compare=False, repr=False)
 
     def __init__(
@@ -133,6 +142,7 @@ class Chain:
         applied_grad_bytes: Iterable[int] | None = None,
         input_copy_bytes: Iterable[int] | None = None,
         update_workspace_bytes: int = 0,
+        max_stop: Iterable[int] | None = None,
         source: object = None,
     ) -> None:
         """Validates and stores the costs; see the class docstring for the fields.
@@ -143,7 +153,8 @@ class Chain:
                 NaN or infinite, a byte count is fractional, `saved_bytes[i] <
                 output_bytes[i]`, names repeat, a carry's links are out of
                 range or skip no link, or `input_grad_bytes[i]` or
-                `input_copy_bytes[i]` exceeds the size of `x_i`.
+                `input_copy_bytes[i]` exceeds the size of `x_i`, or
+                `max_stop[s]` is outside `s..n`.
         """
         outputs = _byte_tuple("output_bytes", output_bytes)
         n = len(outputs)
@@ -186,6 +197,7 @@ class Chain:
             "update_workspace_bytes": as_byte_count(
                 _API, "update_workspace_bytes", update_workspace_bytes
             ),
+            "max_stop": _max_stop(max_stop, n),
             "source": source,
         }
         for name, value in fields.items():
@@ -225,6 +237,10 @@ class Chain:
     def activation_bytes(self, i: int) -> int:
         """Size of `x_i` for `i` in `0..n`: the input for 0, else `output_bytes[i - 1]`."""
         return self.input_bytes if i == 0 else self.output_bytes[i - 1]
+
+    def allowed(self, start: int, stop: int) -> bool:
+        """Whether links `[start, stop)` may be recomputed as one segment (see `max_stop`)."""
+        return stop <= self.max_stop[start]
 
     def carried_bytes(self, start: int, stop: int) -> int:
         """`C(start, stop)`: bytes of the carries a segment `[start, stop)` must output.
@@ -296,6 +312,35 @@ def _byte_tuple(name: str, values: object, *, n: int | None = None) -> tuple[int
     items = as_sequence(_API, name, values)
     _check_length(name, items, n, values)
     return tuple(as_byte_count(_API, f"{name}[{i}]", item) for i, item in enumerate(items))
+
+
+def _max_stop(values: object, n: int) -> tuple[int, ...]:
+    """`max_stop`, each `s <= max_stop[s] <= n`; `n` everywhere by default."""
+    if values is None:
+        return (n,) * n
+    items = as_sequence(_API, "max_stop", values)
+    _check_length("max_stop", items, n, values)
+    stops = []
+    for s, item in enumerate(items):
+        if isinstance(item, bool) or not isinstance(item, numbers.Integral):
+            fail(
+                _API,
+                f"max_stop[{s}] is not an int",
+                f"max_stop[{s}]",
+                item,
+                "Pass the largest stop of a segment starting at each link",
+                error=TypeError,
+            )
+        if not s <= int(item) <= n:
+            fail(
+                _API,
+                f"max_stop[{s}] is outside {s}..{n}",
+                f"max_stop[{s}]",
+                item,
+                f"Keep s <= max_stop[s] <= n (s: the link cannot be recomputed; {n}: no limit)",
+            )
+        stops.append(int(item))
+    return tuple(stops)
 
 
 def _optional_bytes(name: str, values: object, n: int) -> tuple[int, ...]:

@@ -292,6 +292,30 @@ def _events(
             again -= saved[j]
 
 
+def within_limits(chain: Chain, segments: Segments) -> tuple[tuple[int, int], ...]:
+    """`segments` cut to what `Chain.max_stop` allows (private to the package).
+
+    Each segment becomes the longest allowed pieces from its start on; a link
+    that cannot be recomputed is left stored. Without limits it is a no-op.
+
+    Example:
+        >>> chain = Chain(1, [1] * 6, [1] * 6, [1.0] * 6, max_stop=[3, 3, 3, 3, 5, 6])
+        >>> within_limits(chain, [(0, 6)])
+        ((0, 3), (4, 5), (5, 6))
+    """
+    pieces: list[tuple[int, int]] = []
+    for start, stop in segments:
+        s = start
+        while s < stop:
+            e = min(stop, chain.max_stop[s])
+            if e > s:
+                pieces.append((s, e))
+                s = e
+            else:
+                s += 1
+    return tuple(pieces)
+
+
 def carry_profile(chain: Chain, s: int, e: int) -> list[int]:
     """`[C(s, s), C(s, s + 1), ..., C(s, e)]` in `O(e - s + carries)` (private)."""
     carries = chain.carries
@@ -388,6 +412,16 @@ def check_segments(api: str, chain: object, segments: object) -> tuple[tuple[int
                 "segments",
                 segments,
                 "Pass disjoint segments sorted by start",
+            )
+        if not chain.allowed(start, stop):
+            fail(
+                api,
+                f"segment ({start}, {stop}) is not allowed by the chain: a segment starting "
+                f"at link {start} may stop at {chain.max_stop[start]} at most",
+                "segments",
+                segments,
+                "Keep each segment within Chain.max_stop (see its docstring for why a "
+                "profiled model limits blocks)",
             )
         checked.append((start, stop))
     return tuple(checked)
