@@ -371,57 +371,64 @@ def check_segments(api: str, chain: object, segments: object) -> tuple[tuple[int
             error=TypeError,
         )
     checked: list[tuple[int, int]] = []
-    n = chain.n
     for item in segments:
-        pair = tuple(item) if isinstance(item, (tuple, list)) else None
-        if (
-            pair is None
-            or len(pair) != 2
-            or not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in pair)
-        ):
-            fail(
-                api,
-                f"segment {item!r} is not a pair of ints",
-                "segments",
-                segments,
-                "Pass each segment as a (start, stop) pair of ints",
-                error=TypeError,
-            )
-        start, stop = int(pair[0]), int(pair[1])
-        if start >= stop:
-            fail(
-                api,
-                f"segment ({start}, {stop}) is empty",
-                "segments",
-                segments,
-                "Use half-open ranges (start, stop) with start < stop",
-            )
-        if start < 0 or stop > n:
-            fail(
-                api,
-                f"segment ({start}, {stop}) is outside the chain's links 0..{n - 1}",
-                "segments",
-                segments,
-                f"Keep 0 <= start < stop <= {n}",
-            )
-        if checked and start < checked[-1][1]:
-            what = "overlap" if start >= checked[-1][0] else "are not sorted"
-            fail(
-                api,
-                f"segments {checked[-1]} and ({start}, {stop}) {what}",
-                "segments",
-                segments,
-                "Pass disjoint segments sorted by start",
-            )
-        if not chain.allowed(start, stop):
-            fail(
-                api,
-                f"segment ({start}, {stop}) is not allowed by the chain: a segment starting "
-                f"at link {start} may stop at {chain.max_stop[start]} at most",
-                "segments",
-                segments,
-                "Keep each segment within Chain.max_stop (see its docstring for why a "
-                "profiled model limits blocks)",
-            )
-        checked.append((start, stop))
+        checked.append(_check_segment(api, chain, segments, item, checked[-1] if checked else None))
     return tuple(checked)
+
+
+def _check_segment(
+    api: str, chain: Chain, segments: object, item: object, previous: tuple[int, int] | None
+) -> tuple[int, int]:
+    """One segment of `segments`, checked against the chain and the segment before it."""
+    n = chain.n
+    pair = tuple(item) if isinstance(item, (tuple, list)) else None
+    if (
+        pair is None
+        or len(pair) != 2
+        or not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in pair)
+    ):
+        fail(
+            api,
+            f"segment {item!r} is not a pair of ints",
+            "segments",
+            segments,
+            "Pass each segment as a (start, stop) pair of ints",
+            error=TypeError,
+        )
+    start, stop = int(pair[0]), int(pair[1])
+    if start >= stop:
+        fail(
+            api,
+            f"segment ({start}, {stop}) is empty",
+            "segments",
+            segments,
+            "Use half-open ranges (start, stop) with start < stop",
+        )
+    if start < 0 or stop > n:
+        fail(
+            api,
+            f"segment ({start}, {stop}) is outside the chain's links 0..{n - 1}",
+            "segments",
+            segments,
+            f"Keep 0 <= start < stop <= {n}",
+        )
+    if previous is not None and start < previous[1]:
+        what = "overlap" if start >= previous[0] else "are not sorted"
+        fail(
+            api,
+            f"segments {previous} and ({start}, {stop}) {what}",
+            "segments",
+            segments,
+            "Pass disjoint segments sorted by start",
+        )
+    if not chain.allowed(start, stop):
+        fail(
+            api,
+            f"segment ({start}, {stop}) is not allowed by the chain: a segment starting "
+            f"at link {start} may stop at {chain.max_stop[start]} at most",
+            "segments",
+            segments,
+            "Keep each segment within Chain.max_stop (see its docstring for why a "
+            "profiled model limits blocks)",
+        )
+    return start, stop
