@@ -205,13 +205,29 @@ def test_nested_functional_model_as_a_layer():
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("segments", [None, [(1, 2)], [(0, 3), (5, 8)]])
 def test_nested_functional_model_trains_like_the_original(mode, segments):
-    """The nested model (with Dropout) is one link per call, inside blocks or not."""
+    """With depth=0 the nested model (with Dropout) is one link per call, in blocks or not."""
     model = _nested()
-    chain = tfrecompute.profile(model, batch_size=4)
+    chain = tfrecompute.profile(model, batch_size=4, depth=0)
     assert [name.split("#")[0] for name in chain.names[1::2]] == ["inner"] * 4
     plan = "sqrt" if segments is None else strategies.Plan.from_segments(chain, segments)
     rewritten = tfrecompute.recompute(model, plan)
     assert _blocks(rewritten)
+    _same_training(model, rewritten, [_x((4, 8))], mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("segments", [None, [(1, 3)], [(0, 4), (6, 11)]])
+def test_a_nested_functional_model_is_inlined(mode, segments):
+    """By default the nested model's calls are links: blocks may start and end inside it."""
+    model = _nested()
+    chain = tfrecompute.profile(model, batch_size=4)
+    # 4 x (Dense, then the nested Dense and Dropout), then the head.
+    assert chain.names[1].startswith("inner/dense") and chain.names[2].startswith("inner/dropout")
+    assert sum(name.startswith("inner/") for name in chain.names) == 8
+    plan = "sqrt" if segments is None else strategies.Plan.from_segments(chain, segments)
+    rewritten = tfrecompute.recompute(model, plan)
+    blocks = _blocks(rewritten)
+    assert blocks and not any(layer.name == "inner" for layer in rewritten.layers)
     _same_training(model, rewritten, [_x((4, 8))], mode)
 
 
@@ -295,7 +311,7 @@ def test_long_skips_go_around_blocks():
     assert len(inputs) == 2
 
 
-def test_subclassed_model_is_rejected():
+def test_a_subclassed_model_needs_a_sample():
     class Net(keras.Model):
         def __init__(self):
             super().__init__()
@@ -306,10 +322,9 @@ def test_subclassed_model_is_rejected():
 
     net = Net()
     net(tf.ones((1, 2)))
-    with pytest.raises(
-        TypeError, match=r"recompute: a subclassed model cannot be traced.*RecomputeBlock"
-    ):
+    with pytest.raises(ValueError, match=r"recompute: a subclassed or unbuilt model.*sample="):
         tfrecompute.recompute(net)
+    assert tfrecompute.recompute(net, sample=np.ones((4, 2), "float32")) is net
 
 
 def test_unbuilt_model_is_rejected():

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 import tfrecompute
 from tests.helpers import assert_same_training, normal
 from tfrecompute import RecomputeBlock, strategies
+from tfrecompute.strategies.simulate import within_limits
 
 ACTIVATIONS = [None, "relu", "tanh", "sigmoid"]
 
@@ -167,6 +168,7 @@ def test_random_models_rewritten_by_recompute_match_the_original(spec, mode, see
     cuts = sorted(data.draw(st.sets(st.integers(0, chain.n), min_size=2), label="cuts"))
     pieces = list(zip(cuts, cuts[1:]))
     segments = [p for p in pieces if data.draw(st.booleans(), label=f"recompute {p}")]
+    segments = list(within_limits(chain, segments))  # blocks the model allows (Chain.max_stop)
     rewritten = tfrecompute.recompute(plain, strategies.Plan.from_segments(chain, segments))
     blocks = [layer for layer in rewritten.layers if isinstance(layer, RecomputeBlock)]
     assert len(blocks) == len(segments)

@@ -31,11 +31,13 @@ __all__ = [
     "forward_accumulator_active",
     "functional_inputs",
     "functional_nodes",
+    "functional_outputs",
     "get_keras_mask",
     "inbound_nodes",
     "is_functional",
     "keras_history_operation",
     "own_variables",
+    "recording_calls",
     "set_keras_mask",
     "set_mask_metadata",
     "should_record_backprop",
@@ -156,6 +158,12 @@ def functional_inputs(model: keras.Model) -> list[Any]:
     return list(functional.inputs)
 
 
+def functional_outputs(model: keras.Model) -> list[Any]:
+    """The output tensors of the graph `functional_nodes(model)` walks."""
+    functional = model._functional if isinstance(model, keras.Sequential) else model
+    return list(functional.outputs)
+
+
 def keras_history_operation(tensor: Any) -> Any:
     """The layer or operation that produced a symbolic tensor, or None."""
     history = getattr(tensor, "_keras_history", None)
@@ -175,6 +183,51 @@ def direct_sublayers(layer: Any) -> list[Any]:
 def own_variables(layer: Any) -> list[Any]:
     """The variables `layer` created itself (not its sublayers')."""
     return list(layer._trainable_variables) + list(layer._non_trainable_variables)
+
+
+# ------------------------------------------------------------- recording
+# Keras has no hook on layer calls. Tracing a model's call once with one
+# patched in is how the call tree of any model, subclassed ones included,
+# is read: every layer and operation call goes through these two methods.
+
+
+@contextlib.contextmanager
+def recording_calls(recorder: Any) -> Iterator[None]:
+    """Reports every layer and operation call made inside to `recorder`.
+
+    `recorder.enter(operation, args, kwargs)` is called as a call starts, with
+    the arguments as its caller passed them, and returns a token;
+    `recorder.received(args, kwargs)` gives the innermost layer call's
+    arguments after Keras converted them (cast to its compute dtype, masks
+    added): what its `call` sees; `recorder.exit(token, outputs)` follows with
+    the outputs. Calls nest: a layer's sub-layer calls are made between its enter
+    and exit. Not thread-safe: record in one thread at a time.
+    """
+    layer_call = keras.layers.Layer.__call__
+    operation_call = keras.Operation.__call__
+
+    def on_layer_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        token = recorder.enter(self, args, kwargs)
+        outputs = layer_call(self, *args, **kwargs)
+        recorder.exit(token, outputs)
+        return outputs
+
+    def on_operation_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(self, keras.layers.Layer):  # reached from Layer.__call__, converted
+            recorder.received(args, kwargs)
+            return operation_call(self, *args, **kwargs)
+        token = recorder.enter(self, args, kwargs)
+        outputs = operation_call(self, *args, **kwargs)
+        recorder.exit(token, outputs)
+        return outputs
+
+    keras.layers.Layer.__call__ = on_layer_call
+    keras.Operation.__call__ = on_operation_call
+    try:
+        yield
+    finally:
+        keras.layers.Layer.__call__ = layer_call
+        keras.Operation.__call__ = operation_call
 
 
 # `xplane_pb2` (imported above): `tf.profiler` writes XSpace protobufs but

@@ -13,7 +13,15 @@ from __future__ import annotations
 import numbers
 from typing import NoReturn
 
-__all__ = ["as_bool", "as_positive_int", "describe", "fail", "received", "short_repr"]
+__all__ = [
+    "as_bool",
+    "as_count",
+    "as_positive_int",
+    "describe",
+    "fail",
+    "received",
+    "short_repr",
+]
 
 _MAX_REPR = 80
 
@@ -85,6 +93,24 @@ an int >= 1, e.g. steps=3.
     if number < 1:
         fail(api, f"`{name}` must be at least 1", name, value, fix)
     return number
+
+
+def as_count(api: str, name: str, value: object) -> int:
+    """Validates an integer option >= 0 (never a bool): TypeError for a non-int, else ValueError.
+
+    Example:
+        >>> as_count("profile", "depth", -1)
+        Traceback (most recent call last):
+        ...
+        ValueError: profile: `depth` must not be negative. Received: depth=-1 (of type int). \
+Pass an int >= 0, e.g. depth=1.
+    """
+    fix = f"Pass an int >= 0, e.g. {name}=1"
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        fail(api, f"`{name}` must be an int", name, value, fix, error=TypeError)
+    if int(value) < 0:
+        fail(api, f"`{name}` must not be negative", name, value, fix)
+    return int(value)
 
 
 def as_bool(api: str, name: str, value: object, *, fix: str | None = None) -> bool:

@@ -17,19 +17,25 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
+import tensorflow as tf
 
 from tfrecompute import strategies
-from tfrecompute._messages import as_positive_int, fail
+from tfrecompute._messages import as_count, as_positive_int, fail
 from tfrecompute.call_costs import CallMemory, call_memory
-from tfrecompute.graph import LayerGraph, tensor_bytes, trainable_variables
+from tfrecompute.expand import Selection, expand, selected, selection
+from tfrecompute.graph import Call, LayerGraph, tensor_bytes, trainable_variables
+from tfrecompute.layers import RecomputeBlock
+from tfrecompute.trace import input_specs, trace_model
 
 __all__ = [
     "COMPILED",
     "ProfiledModel",
+    "batch_of",
     "check_batch_size",
     "profile",
     "profile_graph",
     "profiled_model",
+    "traced_graph",
 ]
 
 COMPILED: Any = "compiled"
@@ -67,49 +73,116 @@ def profiled_model(chain: strategies.Chain, model: keras.Model) -> ProfiledModel
 
 def profile(
     model: keras.Model,
-    batch_size: int,
+    batch_size: int | None = None,
     *,
+    sample: Any = None,
     optimizer: Any = COMPILED,
+    depth: int | None = None,
+    where: Any = None,
     progress: Progress | None = None,
 ) -> strategies.Chain:
-    """The cost chain of a Sequential or Functional model at a batch size.
+    """The cost chain of any Keras model at a batch size.
 
-    The model's layer calls (and `keras.ops` calls, which have no weights),
-    in topological order, make the links of the chain: one call per link,
-    except that a call whose outputs no backward pass reads joins the link of
-    the call after it (BatchNormalization feeding a ReLU); a link's name joins
-    its calls' names with "+". Per link: the bytes of its outputs (from their
-    shapes and the compute dtype, so they halve under a float16 or bfloat16
-    policy), the bytes it keeps alive for its backward (read from the calls'
-    traced gradient graphs: what TensorFlow really keeps, e.g. a Dropout's
-    boolean mask, a GELU's intermediates), and its forward cost in estimated
-    FLOPs. Every dimension but the batch must be known.
+    The model's call is traced once on placeholders (nothing runs) and its
+    calls make the links of the chain (NOTE [ Expanding the call tree ] in
+    `tfrecompute.expand`): a Functional or Sequential model's layer and
+    `keras.ops` calls, nested Functional models' calls in their place, the
+    blocks of a container layer such as keras-hub's `ViTEncoder`, the
+    sub-layer calls of a subclassed model. A call whose outputs no backward
+    pass reads joins the link of the call after it (BatchNormalization
+    feeding a ReLU); a link's name joins its calls' names with "+". Per
+    link: the bytes of its outputs (from their shapes and the compute dtype,
+    so they halve under a float16 or bfloat16 policy), the bytes it keeps
+    alive for its backward (read from the calls' traced gradient graphs: what
+    TensorFlow really keeps, e.g. a Dropout's boolean mask, a GELU's
+    intermediates), and its forward cost in estimated FLOPs. `Chain.max_stop`
+    says which links a segment may hold.
 
     Args:
-        model: a built `keras.Sequential` or Functional model.
-        batch_size: the training batch size.
+        model: a built Keras model: Sequential, Functional or subclassed.
+        batch_size: the training batch size; by default the sample's.
+        sample: one batch as the model is called with (an array, a list or
+            dict of arrays, or `(x, y)` as passed to `fit`): fixes the shapes
+            the model's inputs leave unknown (a keras-hub backbone's
+            `(None, None)` token ids) and is needed for a subclassed model.
+            Only shapes and dtypes are read.
         optimizer: the optimizer whose handling of weight gradients to model:
             one that needs all of them before any update (global norm
             clipping, a `LossScaleOptimizer`, gradient accumulation) keeps
             them until the step's end; any other applies each as it is
             computed. By default the optimizer the model was compiled with
             (none if it is not compiled: gradients applied as computed).
+        depth: how many levels of nested calls to look into below the
+            model's own (None: as deep as they can be checkpointed; 0: the
+            model's own calls only).
+        where: only the calls of these layers may become blocks, one each: a
+            layer class, a tuple of classes, a list of layer names, or a
+            predicate `(layer) -> bool`; layers holding them are looked into.
         progress: called as `progress(done, total)` after each layer call is
             analysed (for a progress bar).
 
     Returns:
-        A `tfrecompute.strategies.Chain` with the layer names as `names`.
+        A `tfrecompute.strategies.Chain` with the calls' names as `names`.
 
     Example:
 
     ```python
     chain = tfrecompute.profile(model, batch_size=32)
     print(chain.n, sum(chain.saved_bytes))
+    backbone = keras_hub.models.BertBackbone(...)   # (None, None) token ids
+    chain = tfrecompute.profile(backbone, sample=batch)  # shapes from the batch
     ```
     """
-    checked = check_batch_size("profile", batch_size, required_for="profile")
-    assert checked is not None  # required: None raised
-    return profile_graph(LayerGraph.of(model, api="profile"), checked, optimizer, progress)
+    graph = traced_graph("profile", model, sample, batch_size, depth=depth, where=where)
+    return profile_graph(graph, batch_of(graph), optimizer, progress, where=where)
+
+
+def traced_graph(
+    api: str,
+    model: keras.Model,
+    sample: Any,
+    batch_size: Any,
+    *,
+    depth: Any = None,
+    where: Any = None,
+) -> LayerGraph:
+    """The model's `LayerGraph`, from one trace at the sample's (or its inputs') shapes."""
+    if not isinstance(model, keras.Model):
+        fail(api, "`model` must be a Keras model", "model", model, "Pass a keras.Model",
+             error=TypeError)  # fmt: skip
+    if not model.built:
+        fail(
+            api,
+            "the model is not built, so its calls are unknown",
+            "model",
+            model,
+            "Call it on a batch first, give it an input shape (keras.Input(...)), or pass sample=",
+            by_name=True,
+        )
+    checked = check_batch_size(api, batch_size)
+    depth = None if depth is None else as_count(api, "depth", depth)
+    chosen = selection(api, where)
+    root = trace_model(model, input_specs(api, model, sample, checked), api=api)
+    graph = expand(model, root, depth=depth, where=chosen)
+    graph.check_static_shapes(api)
+    if chosen is not None and not any(selected(chosen, c.layer) for c in graph.calls):
+        fail(
+            api,
+            "`where` selects no layer call of the model",
+            "where",
+            where,
+            "Pass a layer class, names or a predicate that some layer the model calls "
+            "matches (see model.summary(expand_nested=True))",
+        )
+    return graph
+
+
+def batch_of(graph: LayerGraph) -> int:
+    """The batch size the graph was traced at: the leading dimension of its first input."""
+    for tensor in graph.inputs:
+        if tensor.shape and tensor.shape[0] is not None:
+            return int(tensor.shape[0])
+    return 1
 
 
 def check_batch_size(api: str, batch_size: Any, *, required_for: str | None = None) -> int | None:
@@ -121,7 +194,8 @@ def check_batch_size(api: str, batch_size: Any, *, required_for: str | None = No
                 f"{required_for} needs the batch size, because activation bytes grow with it",
                 "batch_size",
                 batch_size,
-                "Pass the batch size you train with, e.g. batch_size=64",
+                "Pass the batch size you train with, e.g. batch_size=64, or a sample batch "
+                "(sample=)",
             )
         return None
     return as_positive_int(api, "batch_size", batch_size, example="batch_size=64")
@@ -133,10 +207,9 @@ def profile_graph(
     optimizer: Any = COMPILED,
     progress: Progress | None = None,
     *,
-    api: str = "profile",
+    where: Any = None,
 ) -> strategies.Chain:
-    """`profile` on an analysed graph; the chain's `source` is its `ProfiledModel`."""
-    graph.check_static_shapes(api)
+    """`profile` on a traced graph; the chain's `source` is its `ProfiledModel`."""
     memories = _call_memories(graph, batch_size, progress)
     needed = _read_by_backward(graph, memories)
     links = _links(graph, needed)
@@ -151,7 +224,7 @@ def profile_graph(
     skips = _carries(graph, link_of, len(links), sizes)
     per_link = _link_costs(graph, links, _Reads(memories, needed), sizes, skips)
     return strategies.Chain(
-        sizes.of(graph.model.inputs),
+        sizes.of(graph.inputs),
         [c.output for c in per_link],
         [c.saved for c in per_link],
         [c.forward_cost for c in per_link],
@@ -164,6 +237,7 @@ def profile_graph(
         input_copy_bytes=[c.input_copy for c in per_link],
         update_workspace_bytes=weights.update_workspace if keep_all else 0,
         names=[c.name for c in per_link],
+        max_stop=_max_stops(graph, links, sizes, selection("profile", where)),
         source=ProfiledModel(graph, tuple(links), batch_size),
     )
 
@@ -181,11 +255,52 @@ def _call_memories(
         signature = tuple((tuple(t.shape), str(t.dtype)) for t in call.tensor_args)
         key = (id(call.layer), signature)
         if key not in cache:
-            cache[key] = call_memory(call.layer, call.args, call.kwargs, call.outputs, batch_size)
+            cache[key] = _call_memory(call, batch_size)
         memories.append(cache[key])
         if progress is not None:
             progress(done, len(graph.calls))
     return memories
+
+
+def _call_memory(call: Call, batch_size: int) -> CallMemory:
+    """What one call keeps for its backward (see `call_costs`), glue and blocks included.
+
+    Glue (a layer's own computation between its sub-layer calls) is taken
+    to keep nothing: its element-wise adds and reshapes do not. A
+    `RecomputeBlock` already in the model keeps only its inputs, and its
+    backward holds what its layers keep while it recomputes them: that, the
+    peak of its layers storing everything, is its workspace.
+    """
+    if call.glue:
+        n_in, n_out = len(call.tensor_args), len(call.outputs)
+        return CallMemory(0, 0, (False,) * n_in, (False,) * n_out)
+    memory = call_memory(call.layer, call.args, call.kwargs, call.outputs, batch_size)
+    if isinstance(call.layer, RecomputeBlock):
+        memory = dataclasses.replace(memory, workspace_bytes=_block_workspace(call))
+    return memory
+
+
+def _block_workspace(call: Call) -> int:
+    """The peak a block's backward adds: its layers recomputed, storing everything."""
+    block = call.layer
+    flat = keras.tree.flatten((call.args, call.kwargs))
+    tensors = [t for t in flat if isinstance(t, keras.KerasTensor)]
+    if len(call.args) != 1 or len(tensors) != len(keras.tree.flatten(call.args[0])):
+        fail(
+            "profile",
+            f"the RecomputeBlock {block.name!r} in the model takes extra arguments, so "
+            "what its recompute holds cannot be modelled",
+            "model",
+            block,
+            "Profile the model without its blocks (plan on the original model)",
+            by_name=True,
+        )
+    specs = keras.tree.map_structure(
+        lambda t: tf.TensorSpec(t.shape, keras.backend.standardize_dtype(t.dtype)), call.args[0]
+    )
+    inner = expand(block, trace_model(block, specs, api="profile"))
+    chain = profile_graph(inner, batch_of(inner), None)
+    return max(strategies.none(chain).peak_bytes - chain.input_bytes, 0)
 
 
 def _read_by_backward(graph: LayerGraph, memories: list[CallMemory]) -> set[int]:
@@ -370,7 +485,7 @@ def _link_costs(
     reads, and at least its output.
     """
     names = graph.names
-    boundary = list(graph.model.inputs)
+    boundary = list(graph.inputs)
     costs = []
     for link, (first, stop) in enumerate(links):
         live_in, live_out = graph.segment_io(first, stop)
@@ -466,3 +581,64 @@ def _estimated_flops(call: Any, batch_size: int) -> float:
         return float(max(elements, 1))
     channels = outputs[0].shape[-1] or 1
     return float(2 * weights * max(elements // channels, 1))
+
+
+def _max_stops(
+    graph: LayerGraph, links: list[tuple[int, int]], sizes: _Sizes, where: Selection | None
+) -> list[int]:
+    """`Chain.max_stop`: which links a segment may hold.
+
+    A run of graph calls of one region may be one block (a region that
+    something else calls too is not rebuilt); a subclassed layer's sub-layer
+    call only alone, and only if nothing else calls its layer (it is
+    checkpointed in place); glue and blocks already in the model never; with
+    `where`, only the selected calls, each alone. A link that no gradient
+    reaches (a weightless prefix: input rescaling, padding) gains nothing
+    from a recompute and is never recomputed.
+    """
+    stops = _call_stops(graph.calls, where)
+    limits = []
+    for s, (first, stop) in enumerate(links):
+        reached = any(
+            trainable_variables(graph.calls[i].layer)
+            or any(id(t) in sizes.differentiable for t in graph.calls[i].outputs)
+            for i in range(first, stop)
+        )
+        e = s
+        while reached and e < len(links) and links[e][1] <= stops[first]:
+            e += 1
+        limits.append(e)
+    return limits
+
+
+def _call_stops(calls: list[Call], where: Selection | None) -> list[int]:
+    """Per call, the largest stop of a range of calls starting there that may be one block."""
+    counts: dict[int, int] = {}
+    for call in calls:
+        counts[id(call.layer)] = counts.get(id(call.layer), 0) + 1
+
+    def recomputable(call: Call) -> bool:
+        if call.glue or isinstance(call.layer, RecomputeBlock):
+            return False
+        if call.in_place:  # checkpointed in place: a layer nothing else calls
+            return isinstance(call.layer, keras.layers.Layer) and counts[id(call.layer)] == 1
+        return call.region is not None and call.region.alone
+
+    def joinable(i: int) -> bool:
+        return not calls[i].in_place and recomputable(calls[i])
+
+    stops = [0] * len(calls)
+    run_end = len(calls)
+    for i in range(len(calls) - 1, -1, -1):
+        call = calls[i]
+        if not joinable(i):
+            run_end = i
+        elif i + 1 == len(calls) or not joinable(i + 1) or calls[i + 1].region is not call.region:
+            run_end = i + 1
+        if not recomputable(call) or (where is not None and not selected(where, call.layer)):
+            stops[i] = i
+        elif call.in_place or where is not None:
+            stops[i] = i + 1
+        else:
+            stops[i] = run_end
+    return stops

@@ -16,10 +16,25 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tfrecompute._keras_internals import functional_inputs, functional_nodes, is_functional
+from tfrecompute._keras_internals import (
+    functional_inputs,
+    functional_nodes,
+    functional_outputs,
+    is_functional,
+)
 from tfrecompute._messages import fail
 
-__all__ = ["Call", "LayerGraph", "TensorInfo", "tensor_bytes", "trainable_variables"]
+__all__ = [
+    "Call",
+    "LayerGraph",
+    "Region",
+    "TensorInfo",
+    "Unit",
+    "declared_input",
+    "declared_output",
+    "tensor_bytes",
+    "trainable_variables",
+]
 
 
 def tensor_bytes(shape: Sequence[int | None], dtype: Any, batch_size: int) -> int:
@@ -32,6 +47,16 @@ def tensor_bytes(shape: Sequence[int | None], dtype: Any, batch_size: int) -> in
     for index, dim in enumerate(shape):
         size *= batch_size if index == 0 and dim is None else dim
     return int(size)
+
+
+def declared_input(model: keras.Model) -> Any:
+    """A built model's symbolic input, in the structure it is called with."""
+    return model.inputs[0] if isinstance(model, keras.Sequential) else model.input
+
+
+def declared_output(model: keras.Model) -> Any:
+    """A built model's symbolic output, in the structure it returns."""
+    return model.outputs[0] if isinstance(model, keras.Sequential) else model.output
 
 
 def trainable_variables(operation: Any) -> list[Any]:
@@ -65,23 +90,86 @@ class TensorInfo:
         return max(self.consumers, default=self.producer)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
+class Region:
+    """A Functional or Sequential model whose calls a rewrite can regroup into blocks.
+
+    The root model when it is Functional (with the calls of nested Functional
+    models inlined), or a Functional model that a subclassed layer's code
+    calls (rebuilt, and routed to in place).
+
+    Attributes:
+        model: the model.
+        inputs, outputs: the graph's tensors for the model's inputs and outputs;
+            `structure`: the outputs in the structure the model returns.
+        unit: for a model called by code, the unit whose code calls it.
+        alone: whether nothing else calls the model (else it is not rebuilt).
+    """
+
+    model: Any
+    inputs: list[keras.KerasTensor]
+    outputs: list[keras.KerasTensor] = dataclasses.field(default_factory=list)
+    structure: Any = None
+    unit: Unit | None = None
+    alone: bool = True
+
+
+@dataclasses.dataclass(eq=False)
+class Unit:
+    """A graph call whose inside is checkpointed in place (see `Call.unit`).
+
+    Attributes:
+        node: the Keras node that replays the whole call in a rewrite; None
+            for a subclassed root model (the rewrite returns that model).
+        args, kwargs: the node's arguments, with the graph's tensors.
+        region: the region the node belongs to (None for the root model's call).
+        outputs: the graph's tensors for the call's outputs.
+    """
+
+    node: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    region: Region | None = None
+    outputs: list[keras.KerasTensor] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(eq=False)
 class Call:
-    """One call of the model's graph (a Keras node).
+    """One call the planner sees: a layer (or operation) call of the model.
 
     Attributes:
         layer: the layer called, or a plain Keras operation (`keras.ops` on
             symbolic tensors).
         args, kwargs: the call's arguments, with `keras.KerasTensor`s for tensors.
-        inputs: ids of the KerasTensors it consumes, in argument order.
         outputs: its symbolic outputs.
+        node: for a call of a Functional or Sequential graph, the Keras node
+            that replays it (its arguments are `args`, `kwargs`).
+        region: for such a call, the region it belongs to.
+        unit: for a call made by a subclassed layer's code, the graph call
+            that contains it: a rewrite replays the unit whole and
+            checkpoints this call in place.
+        level: how deep the call sits (1: a call of the model itself).
+        path: the names of the calls it sits in, each followed by "/".
+        glue: a layer's own computation between its sub-layer calls (never
+            recomputed).
+        inputs: ids of the KerasTensors it consumes, in argument order.
     """
 
-    layer: keras.layers.Layer | keras.Operation
+    layer: Any
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    inputs: list[int]
     outputs: list[keras.KerasTensor]
+    node: Any = None
+    region: Region | None = None
+    unit: Unit | None = None
+    level: int = 1
+    path: str = ""
+    glue: bool = False
+    inputs: list[int] = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        flat = keras.tree.flatten((self.args, self.kwargs))
+        self.inputs = [id(t) for t in flat if isinstance(t, keras.KerasTensor)]
 
     @property
     def tensor_args(self) -> list[keras.KerasTensor]:
@@ -89,23 +177,71 @@ class Call:
         flat = keras.tree.flatten((self.args, self.kwargs))
         return list({id(t): t for t in flat if isinstance(t, keras.KerasTensor)}.values())
 
+    @property
+    def in_place(self) -> bool:
+        """Whether the call can only be checkpointed in place (it has no node)."""
+        return self.node is None
+
+    def anchor(self, region: Region) -> Call | Unit | None:
+        """What a rewrite of `region` replays for this call: the call itself, a unit, or None.
+
+        A call of `region` is replayed (or grouped into a block); a call made
+        deeper, by the code of one of the region's calls, is replayed as that
+        whole call (its unit).
+        """
+        if self.region is region:
+            return self
+        unit = self.unit if self.region is None else self.region.unit
+        while unit is not None:
+            if unit.region is region:
+                return unit
+            unit = None if unit.region is None else unit.region.unit
+        return None
+
 
 class LayerGraph:
-    """The calls of a Sequential or Functional model in topological order."""
+    """The calls of a model in execution order, and the tensors between them.
 
-    def __init__(self, model: keras.Model, calls: list[Call]) -> None:
+    Attributes:
+        model: the model.
+        calls: the calls, in an order in which each runs after its inputs exist.
+        inputs: the model's input tensors; `outputs` its output tensors, and
+            `structure` those in the structure the model returns.
+        tensors: every tensor by id: who makes it, who uses it.
+        sequential: whether a rewrite can return a Sequential (a Sequential
+            model whose calls are all its own layers).
+        root: the region of the model's own calls when it is Functional or
+            Sequential; None for a subclassed model.
+    """
+
+    def __init__(
+        self,
+        model: keras.Model,
+        calls: list[Call],
+        *,
+        inputs: Sequence[keras.KerasTensor] | None = None,
+        outputs: Sequence[keras.KerasTensor] | None = None,
+        structure: Any = None,
+        root: Region | None = None,
+    ) -> None:
         self.model = model
+        self.root = root
         self.calls = calls
-        self.sequential = isinstance(model, keras.Sequential)
+        self.inputs = list(model.inputs if inputs is None else inputs)
+        self.outputs = list(model.outputs if outputs is None else outputs)
+        self.structure = declared_output(model) if structure is None else structure
+        self.sequential = isinstance(model, keras.Sequential) and all(
+            call.node is not None and call.level == 1 for call in calls
+        )
         self.tensors: dict[int, TensorInfo] = {}
-        for tensor in model.inputs:
+        for tensor in self.inputs:
             self.tensors[id(tensor)] = TensorInfo(tensor, producer=-1)
         for index, call in enumerate(calls):
             for key in dict.fromkeys(call.inputs):
                 self.tensors[key].consumers.append(index)
             for tensor in call.outputs:
-                self.tensors[id(tensor)] = TensorInfo(tensor, producer=index)
-        for tensor in model.outputs:
+                self.tensors.setdefault(id(tensor), TensorInfo(tensor, producer=index))
+        for tensor in self.outputs:
             self.tensors[id(tensor)].is_output = True
 
     @classmethod
@@ -143,25 +279,16 @@ class LayerGraph:
             )
         calls = [
             Call(
-                layer=node.operation,
-                args=node.arguments.args,
-                kwargs=node.arguments.kwargs,
-                inputs=[id(t) for t in node.arguments.keras_tensors],
+                node.operation,
+                node.arguments.args,
+                node.arguments.kwargs,
                 outputs=list(node.outputs),
+                node=node,
             )
             for node in functional_nodes(model)
             if not node.is_input
         ]
-        graph = cls(model, calls)
-        if isinstance(model, keras.Sequential):
-            # The Sequential's own Input tensors stand for its functional ones.
-            graph.tensors.update(
-                {
-                    id(t): graph.tensors[id(f)]
-                    for t, f in zip(model.inputs, functional_inputs(model))
-                }
-            )
-        return graph
+        return cls(model, calls, inputs=functional_inputs(model), outputs=functional_outputs(model))
 
     def check_static_shapes(self, api: str) -> None:
         """Raises unless every dimension but the batch is known (bytes come from shapes)."""
@@ -197,13 +324,14 @@ class LayerGraph:
 
     @property
     def names(self) -> list[str]:
-        """One name per call: the layer's name, with `#k` for the k-th call of a shared layer."""
-        seen: dict[int, int] = {}
+        """One name per call: its path and layer name, with `#k` for the k-th repeat."""
+        seen: dict[str, int] = {}
         names = []
         for call in self.calls:
-            count = seen.get(id(call.layer), 0)
-            seen[id(call.layer)] = count + 1
-            names.append(call.layer.name if count == 0 else f"{call.layer.name}#{count}")
+            name = f"{call.path}{call.layer.name}"
+            count = seen.get(name, 0)
+            seen[name] = count + 1
+            names.append(name if count == 0 else f"{name}#{count}")
         return names
 
     def segment_io(self, start: int, stop: int) -> tuple[list[int], list[int]]:

@@ -8,6 +8,7 @@ chain's `source`, so `recompute(model, plan)` does not profile again.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -18,11 +19,12 @@ from tfrecompute._messages import fail
 from tfrecompute.costs import (
     COMPILED,
     ProfiledModel,
+    batch_of,
     check_batch_size,
     profile_graph,
     profiled_model,
+    traced_graph,
 )
-from tfrecompute.graph import LayerGraph
 from tfrecompute.rewrite import rewrite
 
 __all__ = ["plan", "recompute"]
@@ -30,40 +32,82 @@ __all__ = ["plan", "recompute"]
 StrategyLike = str | Callable[..., strategies.Plan] | strategies.Plan
 
 
-def _resolve_plan(
-    api: str,
-    model: keras.Model,
-    strategy: StrategyLike,
-    budget: Any,
-    batch_size: Any,
-    headroom: Any,
-) -> tuple[strategies.Plan, ProfiledModel]:
+def _resolve_plan(api: str, model: keras.Model, strategy: Any, options: dict[str, Any]) -> tuple[
+    strategies.Plan, ProfiledModel
+]:  # fmt: skip
     """The plan to apply, and the profile of the model's calls it refers to."""
-    batch_size = check_batch_size(
-        api, batch_size, required_for="a memory budget" if budget is not None else None
-    )
+    budget, batch_size, sample = options["budget"], options["batch_size"], options["sample"]
+    if budget is not None and batch_size is None and sample is None:
+        check_batch_size(api, None, required_for="a memory budget")
     if isinstance(strategy, strategies.Plan):
-        for name, value in (("budget", budget), ("headroom", headroom)):
-            if value is not None:
+        for name in ("budget", "headroom", "where", "depth"):
+            if options[name] is not None:
                 fail(
                     api,
                     f"a Plan already fixes the segments, so a {name} has no effect",
                     name,
-                    value,
+                    options[name],
                     "Pass either a Plan or a strategy name with a budget",
                 )
-        return strategy, _profile_of_plan(api, model, strategy)
-    chosen = strategies.get(strategy)
-    # Without a batch size the bytes are those of one sample: the proportions,
-    # which is all a budget-free strategy needs.
-    chain = profile_graph(LayerGraph.of(model, api=api), batch_size or 1, COMPILED, api=api)
-    made = strategies.plan_within(api, chosen, chain, budget, headroom)
+        return strategy, _profile_of_plan(api, model, strategy, sample, batch_size)
+    chosen = _default_strategy(options["where"]) if strategy is None else strategies.get(strategy)
+    # Without a batch size or a sample the bytes are those of one sample: the
+    # proportions, which is all a budget-free strategy needs.
+    graph = traced_graph(
+        api, model, sample, batch_size, depth=options["depth"], where=options["where"]
+    )
+    chain = profile_graph(graph, batch_of(graph), COMPILED, where=options["where"])
+    made = strategies.plan_within(api, chosen, chain, budget, options["headroom"])
+    if strategy is None:
+        _warn_if_it_saves_nothing(api, made)
     profiled = profiled_model(made.chain, model)
     assert profiled is not None  # strategies plan the chain they are given
     return made, profiled
 
 
-def _profile_of_plan(api: str, model: keras.Model, plan: strategies.Plan) -> ProfiledModel:
+def _default_strategy(where: Any) -> strategies.Strategy:
+    """NOTE [ The default strategy ]
+
+    `optimal`: under a budget the least recompute that fits it, without one
+    the least peak any plan reaches, at the least recompute for that peak:
+    never a plan that another beats on both. With `where` and no budget,
+    every selected call recomputed, one block each (`uniform(1)` within
+    `Chain.max_stop`), as `apply_activation_checkpointing` does; with a
+    budget, `optimal` chooses among the selected calls.
+    """
+    optimal = strategies.optimal
+    if where is None:
+        return optimal
+
+    def selected(chain: strategies.Chain, budget: Any = None) -> strategies.Plan:
+        if budget is not None:
+            return optimal(chain, budget)
+        return strategies.uniform(1)(chain)
+
+    return selected
+
+
+def _warn_if_it_saves_nothing(api: str, plan: strategies.Plan) -> None:
+    """Warns when the default plan's predicted peak is not below storing everything."""
+    chain = plan.chain
+    stored = strategies.none(chain).peak_bytes
+    if plan.peak_bytes < stored:
+        return
+    largest = max(range(chain.n), key=lambda i: chain.saved_bytes[i])
+    share = chain.saved_bytes[largest] / max(sum(chain.saved_bytes), 1)
+    warnings.warn(
+        f"{api}: no plan lowers this model's predicted peak below storing everything "
+        f"({strategies.format_size(stored)}). Link {chain.names[largest]!r} keeps "
+        f"{share:.0%} of the saved activations and cannot be split or recomputed here. "
+        "Look into it with depth= (or where= to pick its sub-layers), or leave the model "
+        "as it is.",
+        stacklevel=3,
+    )
+
+
+def _profile_of_plan(
+    api: str, model: keras.Model, plan: strategies.Plan, sample: Any, batch_size: Any
+) -> ProfiledModel:
     """Which calls of `model` the links of `plan` are; profiles only a plan made elsewhere.
 
     A plan on a chain `profile` made for this model carries the map. A plan on
@@ -73,7 +117,8 @@ def _profile_of_plan(api: str, model: keras.Model, plan: strategies.Plan) -> Pro
     known = profiled_model(plan.chain, model)
     if known is not None:
         return known
-    chain = profile_graph(LayerGraph.of(model, api=api), 1, COMPILED, api=api)
+    graph = traced_graph(api, model, sample, batch_size)
+    chain = profile_graph(graph, batch_of(graph), COMPILED)
     if plan.chain.names != chain.names:
         fail(
             api,
@@ -88,84 +133,129 @@ def _profile_of_plan(api: str, model: keras.Model, plan: strategies.Plan) -> Pro
     return profiled
 
 
-def plan(
-    model: keras.Model,
-    strategy: StrategyLike = "sqrt",
-    *,
-    budget: int | str | None = None,
-    batch_size: int | None = None,
-    headroom: float | None = None,
-) -> strategies.Plan:
-    """Plans which layer calls of a model to recompute, without changing the model.
-
-    Args:
-        model: a built `keras.Sequential` or Functional model.
+_SHARED_ARGS = """
         strategy: a strategy name (see `tfrecompute.strategies.available()`), a
-            strategy callable `(chain, budget=None) -> Plan`, or a `Plan`.
+            strategy callable `(chain, budget=None) -> Plan`, or a `Plan` made
+            by `tfrecompute.plan` for this model. By default (None) `optimal`
+            (NOTE [ The default strategy ]): the least recompute under a
+            budget, else the least peak at the least recompute; with `where`
+            and no budget, every selected call its own block.
         budget: the most memory the step may use, as the allocator counts it
             (`measure_step`), in bytes or as a string like `"2GiB"`; needs
-            `batch_size`.
-        batch_size: the training batch size.
+            `batch_size` or `sample`.
+        batch_size: the training batch size; by default the sample's.
+        sample: one batch as the model is called with (an array, a list or
+            dict of arrays, or `(x, y)` as passed to `fit`): fixes unknown
+            input dimensions (keras-hub backbones take `(None, None)` token
+            ids) and is needed for a subclassed model. Only shapes and
+            dtypes are read.
         headroom: the share of `budget` left for the allocator's rounding of
             chunks: the predicted peak stays under `budget * (1 - headroom)`
             (default `strategies.DEFAULT_HEADROOM`, 0.3; 0 plans to the
             budget itself). Only with a budget.
+        depth: how many levels of nested calls to look into below the
+            model's own (None: as deep as they can be checkpointed; 0: the
+            model's own calls only).
+        where: make only the calls of these layers blocks, one block each: a
+            layer class, a tuple of classes, a list of layer names, or a
+            predicate `(layer) -> bool` (layers holding them are looked into).
+"""
 
+
+def plan(
+    model: keras.Model,
+    strategy: StrategyLike | None = None,
+    *,
+    budget: int | str | None = None,
+    batch_size: int | None = None,
+    sample: Any = None,
+    headroom: float | None = None,
+    depth: int | None = None,
+    where: Any = None,
+) -> strategies.Plan:
+    """Plans which calls of a model to recompute, without changing the model.
+
+    Args:
+        model: a built Keras model: Sequential, Functional or subclassed.{shared}
     Returns:
-        The `Plan`; `plan.summary()` names the layers of each segment and gives
-        the predicted peak and recompute cost.
+        The `Plan`; `plan.summary()` names the calls of each segment and gives
+        the predicted peak and recompute cost. `recompute(model, plan)`
+        applies it without profiling the model again.
 
     Example:
 
     ```python
-    p = tfrecompute.plan(model, "optimal", budget="1GiB", batch_size=64)
+    p = tfrecompute.plan(model, budget="1GiB", batch_size=64)
     print(p.summary())
     ```
     """
-    chosen, _ = _resolve_plan("plan", model, strategy, budget, batch_size, headroom)
+    options = {
+        "budget": budget,
+        "batch_size": batch_size,
+        "sample": sample,
+        "headroom": headroom,
+        "depth": depth,
+        "where": where,
+    }
+    chosen, _ = _resolve_plan("plan", model, strategy, options)
     return chosen
 
 
 def recompute(
     model: keras.Model,
-    strategy: StrategyLike = "sqrt",
+    strategy: StrategyLike | None = None,
     *,
     budget: int | str | None = None,
     batch_size: int | None = None,
+    sample: Any = None,
     headroom: float | None = None,
+    depth: int | None = None,
+    where: Any = None,
 ) -> keras.Model:
-    """Returns a checkpointed model: runs of layers grouped into `RecomputeBlock`s.
+    """A checkpointed model: the plan's calls recomputed in backprop, in `RecomputeBlock`s.
 
-    The new model shares the original's layers and variables (no copies):
-    training one trains the other. Each segment of the plan becomes a
-    `RecomputeBlock` around a Functional sub-model of those layer calls (a
-    plain list of layers for a Sequential model); tensors that only pass by a
-    segment (long skip connections) go around its block.
+    What comes back depends on where the planned calls are (NOTE in
+    `tfrecompute.rewrite`):
+
+    * calls of a Sequential or Functional graph (nested Functional models
+      included, inlined): a new model that shares the original's layers and
+      variables (no copies: training one trains the other), each segment a
+      `RecomputeBlock` around a Functional sub-model of its calls (a list of
+      layers in a Sequential); tensors that only pass by a segment (long
+      skip connections) go around its block. A Sequential gives a Sequential.
+    * calls made by a subclassed layer's or model's code (the blocks of
+      keras-hub's `ViTEncoder`, a subclassed model's layers): checkpointed in
+      place, one call at a time (`tfrecompute.layers.in_place`). A
+      subclassed model is returned itself, changed; the layer objects of a
+      Functional model are changed in place in the original too. In-place
+      checkpoints are not saved with the model: apply them again after
+      loading.
 
     Args:
-        model: a built `keras.Sequential` or Functional model. Subclassed
-            models cannot be traced: wrap their parts in `RecomputeBlock`.
-        strategy: a strategy name, a strategy callable, or a `Plan` made by
-            `tfrecompute.plan` for this model.
-        budget: the most memory the step may use, as the allocator counts it
-            (`measure_step`), in bytes or as a string like `"2GiB"`; needs
-            `batch_size`.
-        batch_size: the training batch size.
-        headroom: the share of `budget` left for the allocator's rounding of
-            chunks: the predicted peak stays under `budget * (1 - headroom)`
-            (default `strategies.DEFAULT_HEADROOM`, 0.3; 0 plans to the
-            budget itself). Only with a budget.
-
+        model: a built Keras model: Sequential, Functional or subclassed.{shared}
     Returns:
-        A new `keras.Model` (a `keras.Sequential` for a Sequential model).
+        The checkpointed model.
 
     Example:
 
     ```python
-    checkpointed = tfrecompute.recompute(model, "optimal", budget="1GiB", batch_size=64)
+    checkpointed = tfrecompute.recompute(model, budget="1GiB", batch_size=64)
     checkpointed.compile(optimizer="adam", loss="mse")
     checkpointed.fit(x, y, batch_size=64)
+    backbone = tfrecompute.recompute(keras_hub.models.BertBackbone(...), sample=batch)
     ```
     """
-    chosen, profiled = _resolve_plan("recompute", model, strategy, budget, batch_size, headroom)
+    options = {
+        "budget": budget,
+        "batch_size": batch_size,
+        "sample": sample,
+        "headroom": headroom,
+        "depth": depth,
+        "where": where,
+    }
+    chosen, profiled = _resolve_plan("recompute", model, strategy, options)
     return rewrite(profiled.graph, profiled.call_segments(chosen.segments))
+
+
+plan.__doc__ = (plan.__doc__ or "").replace("{shared}", _SHARED_ARGS.rstrip() + "\n")
+recompute.__doc__ = (recompute.__doc__ or "").replace("{shared}", _SHARED_ARGS.rstrip() + "\n")

@@ -1,12 +1,23 @@
 """A plan applied to a model: the one place above `layers/` that builds `RecomputeBlock`s.
 
-`rewrite(graph, segments)` builds the checkpointed model: each half-open
-range of the graph's calls becomes a `RecomputeBlock` around a Functional
-sub-model whose inputs are the tensors the range consumes from before it and
-whose outputs are the tensors later calls (or the model's outputs) need from
-it. Tensors that only pass by a range (a U-Net's long skip) go around its
-block. A Sequential model gets a Sequential back, its blocks wrapping lists of
-layers.
+`rewrite(graph, segments)` applies segments of the graph's calls:
+
+* A segment of graph calls (calls of the model's Functional or Sequential
+  graph, nested Functional models inlined) becomes a `RecomputeBlock`
+  around a Functional sub-model of those calls, in a new model that shares
+  the original's layers and variables. The sub-model's inputs are the
+  tensors the segment consumes from before it, its outputs the tensors later
+  calls (or the model's outputs) need from it; tensors that only pass by a
+  segment (a U-Net's long skip) go around its block. A Sequential model
+  gets a Sequential back, its blocks wrapping lists of layers.
+* A Functional model that a subclassed layer's code calls is a region of
+  its own: it is rebuilt the same way, and its `call` routed in place to the
+  rebuilt model (NOTE [ In-place checkpoints ] in `layers/in_place.py`).
+* A segment of one call made by a subclassed layer's code is checkpointed
+  in place: the layer object stays, so this also holds wherever else it is
+  used, the original model included. A subclassed model gets itself back,
+  changed in place; a Functional model a new one, whose subclassed layers
+  (shared with the original) are changed in place.
 """
 
 from __future__ import annotations
@@ -16,8 +27,10 @@ from typing import Any
 
 import keras
 
-from tfrecompute.graph import LayerGraph
+from tfrecompute._keras_internals import functional_inputs
+from tfrecompute.graph import Call, LayerGraph, Region, Unit
 from tfrecompute.layers import RecomputeBlock
+from tfrecompute.layers.in_place import checkpoint_in_place, route_call
 
 __all__ = ["rewrite"]
 
@@ -25,38 +38,78 @@ __all__ = ["rewrite"]
 def rewrite(
     graph: LayerGraph, segments: Sequence[tuple[int, int]], *, name: str | None = None
 ) -> keras.Model:
-    """A new model sharing the graph's layers, each range of calls wrapped in a block.
+    """The model with each range of calls recomputed (see the module docstring).
 
     Args:
         graph: the layer graph of the model to rewrite.
-        segments: sorted, disjoint half-open ranges `(start, stop)` of call indices.
+        segments: sorted, disjoint half-open ranges `(start, stop)` of call
+            indices: runs of graph calls of one region, or single calls made
+            by a subclassed layer's code.
         name: the new model's name; `<model name>_recompute` by default.
 
     Returns:
-        A `keras.Sequential` for a Sequential model, else a Functional `keras.Model`.
+        The model itself for a subclassed model; else a new `keras.Sequential`
+        for a Sequential model whose calls are all its own layers, or a new
+        Functional `keras.Model`.
     """
-    name = name or f"{graph.model.name}_recompute"
-    # Block names become TensorFlow name scopes: no "#" from a shared layer's call.
-    names = [n.replace("#", "_call") for n in graph.names]
+    starts: dict[int, int] = {}
+    for start, stop in segments:
+        if graph.calls[start].in_place:
+            checkpoint_in_place(graph.calls[start].layer)
+        else:
+            starts[start] = stop
+    # Block names become TensorFlow name scopes: no "#" or "/" from call names.
+    names = [n.replace("#", "_call").replace("/", "_") for n in graph.names]
+    root = graph.root
+    for region in _regions(graph):
+        if region is root or not any(graph.calls[k].region is region for k in starts):
+            continue
+        replacement = _rebuild(graph, region, starts, names, f"{region.model.name}_recompute")
+        route_call(region.model, replacement)
+    if root is None:
+        return graph.model  # a subclassed model, checkpointed in place
     if graph.sequential:
-        return _rewrite_sequential(graph, dict(segments), names, name)
-    mapping: dict[int, Any] = {id(t): t for t in graph.model.inputs}
-    starts = dict(segments)
+        return _rewrite_sequential(graph, starts, names, name or f"{graph.model.name}_recompute")
+    return _rebuild(graph, root, starts, names, name or f"{graph.model.name}_recompute")
+
+
+def _regions(graph: LayerGraph) -> list[Region]:
+    """The regions of the graph's calls, outermost first."""
+    found: dict[int, Region] = {}
+    for call in graph.calls:
+        if call.region is not None:
+            found.setdefault(id(call.region), call.region)
+    return list(found.values())
+
+
+def _rebuild(
+    graph: LayerGraph, region: Region, starts: dict[int, int], names: list[str], name: str
+) -> keras.Model:
+    """A Functional model computing `region` from its model's inputs, with the blocks placed."""
+    model = region.model
+    mapping: dict[int, Any] = dict(zip(map(id, region.inputs), functional_inputs(model)))
+    replayed: set[int] = set()
     index = 0
     while index < len(graph.calls):
-        if index not in starts:
-            _replay(graph, index, mapping)
+        anchor = graph.calls[index].anchor(region)
+        if isinstance(anchor, Unit):
+            if id(anchor) not in replayed:
+                replayed.add(id(anchor))
+                _replay(anchor, mapping)
             index += 1
-            continue
-        stop = starts[index]
-        block, input_ids, output_ids = _block(graph, index, stop, f"recompute_{names[index]}")
-        block_inputs = [mapping[key] for key in input_ids]
-        results = block(block_inputs if len(block_inputs) != 1 else block_inputs[0])
-        for key, result in zip(output_ids, keras.tree.flatten(results)):
-            mapping[key] = result
-        index = stop
-    outputs = keras.tree.map_structure(lambda t: mapping[id(t)], graph.model.output)
-    return keras.Model(graph.model.input, outputs, name=name)
+        elif anchor is None:
+            index += 1
+        elif index in starts:
+            stop = starts[index]
+            _apply_block(graph, index, stop, f"recompute_{names[index]}", mapping)
+            index = stop
+        else:
+            _replay(anchor, mapping)
+            index += 1
+    outputs = keras.tree.map_structure(lambda t: mapping[id(t)], region.structure)
+    # A Sequential's graph starts at its inner functional inputs, not its own Input.
+    inputs = functional_inputs(model)[0] if isinstance(model, keras.Sequential) else model.input
+    return keras.Model(inputs, outputs, name=name)
 
 
 def _rewrite_sequential(
@@ -83,18 +136,19 @@ def _rewrite_sequential(
     )
 
 
-def _replay(graph: LayerGraph, index: int, mapping: dict[int, Any]) -> None:
-    """Calls call `index`'s layer again on the tensors `mapping` gives for its arguments."""
-    call = graph.calls[index]
-
+def _substituted(structure: Any, mapping: dict[int, Any]) -> Any:
     def substitute(value: Any) -> Any:
-        if isinstance(value, keras.KerasTensor):
-            return mapping[id(value)]
-        return value
+        return mapping[id(value)] if isinstance(value, keras.KerasTensor) else value
 
-    args = keras.tree.map_structure(substitute, call.args)
-    kwargs = keras.tree.map_structure(substitute, call.kwargs)
-    outputs = keras.tree.flatten(call.layer(*args, **kwargs))
+    return keras.tree.map_structure(substitute, structure)
+
+
+def _replay(call: Call | Unit, mapping: dict[int, Any]) -> None:
+    """Calls a node's operation again on the tensors `mapping` gives for its arguments."""
+    operation = call.layer if isinstance(call, Call) else call.node.operation
+    args = _substituted(call.args, mapping)
+    kwargs = _substituted(call.kwargs, mapping)
+    outputs = keras.tree.flatten(operation(*args, **kwargs))
     for original, new in zip(call.outputs, outputs):
         mapping[id(original)] = new
 
@@ -104,21 +158,21 @@ def _no_mask_of_its_own(inputs: Any, previous_mask: Any = None) -> None:
     return None
 
 
-def _block(
-    graph: LayerGraph, start: int, stop: int, name: str
-) -> tuple[RecomputeBlock, list[int], list[int]]:
-    """The block of calls [start, stop), and the ids of the tensors it takes and gives."""
+def _apply_block(
+    graph: LayerGraph, start: int, stop: int, name: str, mapping: dict[int, Any]
+) -> None:
+    """Wraps calls [start, stop) in a block called on the mapped tensors; maps its outputs."""
     input_ids, output_ids = graph.segment_io(start, stop)
-    mapping: dict[int, Any] = {}
+    inner: dict[int, Any] = {}
     sub_inputs = []
     for key in input_ids:
-        tensor = graph.tensors[key].tensor
-        sub_input = keras.Input(batch_shape=tensor.shape, dtype=tensor.dtype)
-        mapping[key] = sub_input
+        outer = mapping[key]  # the rewritten model's tensor: its shape, unknown dims included
+        sub_input = keras.Input(batch_shape=outer.shape, dtype=outer.dtype)
+        inner[key] = sub_input
         sub_inputs.append(sub_input)
     for index in range(start, stop):
-        _replay(graph, index, mapping)
-    sub_outputs = [mapping[key] for key in output_ids]
+        _replay(graph.calls[index], inner)
+    sub_outputs = [inner[key] for key in output_ids]
     sub_model = keras.Model(
         sub_inputs if len(sub_inputs) != 1 else sub_inputs[0],
         sub_outputs if len(sub_outputs) != 1 else sub_outputs[0],
@@ -131,4 +185,8 @@ def _block(
     # supports masking and adds none.
     sub_model.supports_masking = True
     sub_model.compute_mask = _no_mask_of_its_own
-    return RecomputeBlock(sub_model, name=name), input_ids, output_ids
+    block = RecomputeBlock(sub_model, name=name)
+    block_inputs = [mapping[key] for key in input_ids]
+    results = block(block_inputs if len(block_inputs) != 1 else block_inputs[0])
+    for key, result in zip(output_ids, keras.tree.flatten(results)):
+        mapping[key] = result

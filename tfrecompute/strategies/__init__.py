@@ -32,7 +32,7 @@ from tfrecompute.strategies.optimize import DEFAULT_MAX_WORK, frontier, min_peak
 from tfrecompute.strategies.plan import Budget, Plan, Strategy
 from tfrecompute.strategies.registry import available, get
 from tfrecompute.strategies.simulate import Estimate, MemoryEvent, simulate, timeline
-from tfrecompute.strategies.units import format_bytes, parse_budget
+from tfrecompute.strategies.units import format_bytes, format_size, parse_budget
 
 __all__ = [
     "DEFAULT_HEADROOM",
@@ -46,6 +46,7 @@ __all__ = [
     "Strategy",
     "available",
     "format_bytes",
+    "format_size",
     "frontier",
     "get",
     "heuristic",

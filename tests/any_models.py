@@ -1,0 +1,189 @@
+"""Models nobody here designed, and the common styles of Keras code, CI-sized.
+
+keras-hub backbones as built (random init, no downloads), a subclassed
+transformer model that loops over a list of blocks, a subclassed layer that
+holds a `keras.Sequential`, and a Functional model that calls a nested
+Functional backbone once. Each entry builds the model and a sample batch
+`(x, y)` for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import keras
+import keras_hub
+import numpy as np
+
+
+def _tokens(batch: int, sequence: int, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        "token_ids": rng.integers(1, 100, (batch, sequence)).astype("int32"),
+        "padding_mask": np.ones((batch, sequence), "int32"),
+    }
+
+
+def bert(*, layers: int = 2, hidden: int = 64, sequence: int = 32, batch: int = 4) -> Any:
+    model = keras_hub.models.BertBackbone(
+        vocabulary_size=100,
+        num_layers=layers,
+        num_heads=2,
+        hidden_dim=hidden,
+        intermediate_dim=2 * hidden,
+        max_sequence_length=max(64, sequence),
+    )
+    x = {**_tokens(batch, sequence), "segment_ids": np.zeros((batch, sequence), "int32")}
+    rng = np.random.default_rng(1)
+    y = {
+        "pooled_output": rng.normal(size=(batch, hidden)).astype("float32"),
+        "sequence_output": rng.normal(size=(batch, sequence, hidden)).astype("float32"),
+    }
+    return model, (x, y)
+
+
+def gpt2(*, layers: int = 2, hidden: int = 64, sequence: int = 32, batch: int = 4) -> Any:
+    model = keras_hub.models.GPT2Backbone(
+        vocabulary_size=100,
+        num_layers=layers,
+        num_heads=2,
+        hidden_dim=hidden,
+        intermediate_dim=2 * hidden,
+        max_sequence_length=max(64, sequence),
+    )
+    y = np.random.default_rng(1).normal(size=(batch, sequence, hidden)).astype("float32")
+    return model, (_tokens(batch, sequence), y)
+
+
+def vit(*, layers: int = 4, hidden: int = 64, image: int = 32, batch: int = 4) -> Any:
+    model = keras_hub.models.ViTBackbone(
+        image_shape=(image, image, 3),
+        patch_size=8,
+        num_layers=layers,
+        num_heads=2,
+        hidden_dim=hidden,
+        mlp_dim=2 * hidden,
+    )
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(batch, image, image, 3)).astype("float32")
+    y = rng.normal(size=(batch, (image // 8) ** 2 + 1, hidden)).astype("float32")
+    return model, (x, y)
+
+
+@keras.saving.register_keras_serializable(package="tfrecompute_tests")
+class Block(keras.layers.Layer):
+    """A pre-norm transformer block written as research code writes it."""
+
+    def __init__(self, hidden: int, heads: int, dropout: float = 0.1, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.hidden, self.heads, self.dropout_rate = hidden, heads, dropout
+        self.norm_1 = keras.layers.LayerNormalization()
+        self.attention = keras.layers.MultiHeadAttention(heads, hidden // heads, dropout=dropout)
+        self.norm_2 = keras.layers.LayerNormalization()
+        self.up = keras.layers.Dense(2 * hidden, activation="gelu")
+        self.down = keras.layers.Dense(hidden)
+        self.dropout = keras.layers.Dropout(dropout)
+
+    def call(self, x: Any, training: Any = None) -> Any:
+        h = self.norm_1(x)
+        x = x + self.attention(h, h, training=training)
+        h = self.down(self.up(self.norm_2(x)))
+        return x + self.dropout(h, training=training)
+
+    def get_config(self) -> dict[str, Any]:
+        return {
+            **super().get_config(),
+            "hidden": self.hidden,
+            "heads": self.heads,
+            "dropout": self.dropout_rate,
+        }
+
+
+@keras.saving.register_keras_serializable(package="tfrecompute_tests")
+class LoopTransformer(keras.Model):
+    """A subclassed model that loops over a list of blocks, then pools and classifies."""
+
+    def __init__(self, layers: int = 4, hidden: int = 64, vocab: int = 100, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.depth, self.hidden, self.vocab = layers, hidden, vocab
+        self.embedding = keras.layers.Embedding(vocab, hidden)
+        self.blocks = [Block(hidden, 2, name=f"block_{i}") for i in range(layers)]
+        self.norm = keras.layers.LayerNormalization()
+        self.head = keras.layers.Dense(2)
+
+    def call(self, ids: Any, training: Any = None) -> Any:
+        x = self.embedding(ids)
+        for block in self.blocks:
+            x = block(x, training=training)
+        return self.head(keras.ops.mean(self.norm(x), axis=1))
+
+    def get_config(self) -> dict[str, Any]:
+        return {"layers": self.depth, "hidden": self.hidden, "vocab": self.vocab}
+
+
+def loop_transformer(*, layers: int = 4, hidden: int = 64, sequence: int = 32, batch: int = 4):  # noqa: ANN201
+    model = LoopTransformer(layers, hidden)
+    ids = np.random.default_rng(0).integers(0, 100, (batch, sequence)).astype("int32")
+    model(ids[:1])
+    return model, (ids, np.random.default_rng(1).normal(size=(batch, 2)).astype("float32"))
+
+
+@keras.saving.register_keras_serializable(package="tfrecompute_tests")
+class Tower(keras.layers.Layer):
+    """A subclassed layer holding a keras.Sequential, with a residual around it."""
+
+    def __init__(self, width: int, depth: int = 4, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.width, self.depth = width, depth
+        layers: list[keras.layers.Layer] = []
+        for _ in range(depth):
+            layers += [keras.layers.Dense(width, activation="tanh"), keras.layers.Dropout(0.1)]
+        self.body = keras.Sequential(layers)
+        self.norm = keras.layers.BatchNormalization()
+
+    def call(self, x: Any, training: Any = None) -> Any:
+        return self.norm(self.body(x, training=training), training=training)
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "width": self.width, "depth": self.depth}
+
+
+def tower_model(*, width: int = 64, batch: int = 8):  # noqa: ANN201
+    inputs = keras.Input((width,))
+    x = Tower(width, name="tower_1")(inputs)
+    x = Tower(width, name="tower_2")(x)
+    model = keras.Model(inputs, keras.layers.Dense(3)(x), name="towers")
+    rng = np.random.default_rng(0)
+    return model, (
+        rng.normal(size=(batch, width)).astype("float32"),
+        rng.normal(size=(batch, 3)).astype("float32"),
+    )
+
+
+def nested_backbone(*, width: int = 64, batch: int = 8):  # noqa: ANN201
+    """A Functional classifier calling a Functional backbone (with BatchNorm) once."""
+    inner_in = keras.Input((width,))
+    h = inner_in
+    for _ in range(4):
+        h = keras.layers.Dense(width, activation="relu")(h)
+        h = keras.layers.BatchNormalization()(h)
+    backbone = keras.Model(inner_in, h, name="backbone")
+    inputs = keras.Input((width,))
+    features = backbone(keras.layers.Dense(width)(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(3)(features), name="classifier")
+    rng = np.random.default_rng(0)
+    return model, (
+        rng.normal(size=(batch, width)).astype("float32"),
+        rng.normal(size=(batch, 3)).astype("float32"),
+    )
+
+
+MODELS: dict[str, Callable[..., Any]] = {
+    "bert": bert,
+    "gpt2": gpt2,
+    "vit": vit,
+    "loop_transformer": loop_transformer,
+    "towers": tower_model,
+    "nested_backbone": nested_backbone,
+}
