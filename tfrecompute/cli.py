@@ -14,9 +14,10 @@ Subcommands (each takes `--help`):
 
 Arguments, budgets, headrooms and strategy names are checked before
 TensorFlow is imported, so `--help` and usage errors answer at once.
-TensorFlow's start-up logs and Keras's optimizer-restore warnings are hidden
-unless `--verbose` is given. Tables fit 100 columns (`--all-names` prints
-every name in full).
+TensorFlow's start-up logs are hidden unless `--verbose` is given; models
+load uncompiled with the optimizer of their saved compile config, so Keras
+has no optimizer state to restore and warn about. Tables fit 100 columns
+(`--all-names` prints every name in full).
 
 Exit codes: 0 on success, 2 for usage errors (bad arguments, a malformed
 budget, an unknown strategy, a model file that does not exist), 1 for other
@@ -100,7 +101,7 @@ def _build_parser() -> argparse.ArgumentParser:
             "-v",
             "--verbose",
             action="store_true",
-            help="show TensorFlow's start-up logs and Keras's warnings on loading the model",
+            help="show TensorFlow's start-up logs (hidden by default)",
         )
         return sub
 

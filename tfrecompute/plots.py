@@ -149,21 +149,7 @@ def frontier_figure(
         zorder=4,
         label=f"{label}: {strategies.format_bytes(plan.peak_bytes)}, {_share(plan):.0f}%",
     )
-    for name, peak in (measured or {}).items():
-        predicted = plans[name]
-        x, y = predicted.peak_bytes / scale, _share(predicted)
-        axes.plot([x, peak / scale], [y, y], color="black", ls=":", lw=1, zorder=2)
-        axes.scatter(
-            peak / scale,
-            y,
-            marker="*" if name == label else "o",
-            s=200,
-            facecolor="none",
-            edgecolor="black",
-            lw=1.2,
-            zorder=4,
-            label=f"{name}, measured: {strategies.format_bytes(peak)}",
-        )
+    _draw_measured(axes, plans, measured or {}, scale, chosen=label)
     if budget is not None:
         _budget_lines(axes, budget, scale, vertical=True)
     axes.set_xlim(left=0, right=right)
@@ -174,6 +160,27 @@ def frontier_figure(
     axes.grid(alpha=0.3)
     axes.legend(**_LEGEND)
     return figure
+
+
+def _draw_measured(
+    axes: Any, plans: Mapping[str, Plan], measured: Mapping[str, int], scale: float, *, chosen: str
+) -> None:
+    """Hollow markers at measured peaks, joined to their plan's predicted one."""
+    for name, peak in measured.items():
+        predicted = plans[name]
+        x, y = predicted.peak_bytes / scale, _share(predicted)
+        axes.plot([x, peak / scale], [y, y], color="black", ls=":", lw=1, zorder=2)
+        axes.scatter(
+            peak / scale,
+            y,
+            marker="*" if name == chosen else "o",
+            s=200,
+            facecolor="none",
+            edgecolor="black",
+            lw=1.2,
+            zorder=4,
+            label=f"{name}, measured: {strategies.format_bytes(peak)}",
+        )
 
 
 def aligned_spans(events: Sequence[MemoryEvent], n: int) -> list[tuple[float, float]]:
