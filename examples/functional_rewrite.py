@@ -12,14 +12,16 @@ step before and after.
 from __future__ import annotations
 
 import argparse
-import os
+import sys
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import tfrecompute
+
+# Before keras imports TensorFlow: hide its start-up logs unless --verbose.
+tfrecompute.quiet_tensorflow(verbose="--verbose" in sys.argv)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-import tfrecompute  # noqa: E402
 from tfrecompute.strategies import (  # noqa: E402
     DEFAULT_HEADROOM,
     format_bytes,
@@ -53,6 +55,7 @@ def main(argv: list[str] | None = None) -> None:
         default=0.3,
         help="planned peak between the least feasible one (0) and storing everything (1)",
     )
+    parser.add_argument("--verbose", action="store_true", help="show TensorFlow's start-up logs")
     args = parser.parse_args(argv)
 
     keras.utils.set_random_seed(0)

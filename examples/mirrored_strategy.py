@@ -12,15 +12,16 @@ apart their weights end up (recompute changes the memory, not the result).
 from __future__ import annotations
 
 import argparse
-import os
+import sys
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import tfrecompute
+
+# Before keras imports TensorFlow: hide its start-up logs unless --verbose.
+tfrecompute.quiet_tensorflow(verbose="--verbose" in sys.argv)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-
-import tfrecompute  # noqa: E402
 
 
 def make_strategy() -> tf.distribute.MirroredStrategy:
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--samples", type=int, default=4096)
     parser.add_argument("--batch-size", type=int, default=256, help="global batch size")
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--verbose", action="store_true", help="show TensorFlow's start-up logs")
     args = parser.parse_args(argv)
 
     strategy = make_strategy()  # first: it may still configure the devices

@@ -12,14 +12,16 @@ finds in each, and trains the fixed one briefly.
 from __future__ import annotations
 
 import argparse
-import os
+import sys
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import tfrecompute
+
+# Before keras imports TensorFlow: hide its start-up logs unless --verbose.
+tfrecompute.quiet_tensorflow(verbose="--verbose" in sys.argv)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-import tfrecompute  # noqa: E402
 from tfrecompute.precision import check_precision  # noqa: E402
 
 
@@ -68,6 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--samples", type=int, default=4096)
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--verbose", action="store_true", help="show TensorFlow's start-up logs")
     args = parser.parse_args(argv)
 
     rng = np.random.default_rng(0)

@@ -28,6 +28,24 @@ class _Subclassed(keras.Model):
         return self.dense(x)
 
 
+def _convnext_like() -> keras.Model:
+    """Two ConvNeXt blocks, small, with the long layer names of keras-hub's ConvNeXt."""
+    inputs = keras.Input((16, 16, 3))
+    x = keras.layers.Conv2D(16, 4, strides=4, name="convnext_tiny_stem_conv")(inputs)
+    x = keras.layers.LayerNormalization(name="convnext_tiny_stem_layernorm")(x)
+    for b in range(2):
+        p = f"convnext_tiny_stage_0_block_{b}"
+        h = keras.layers.DepthwiseConv2D(7, padding="same", name=f"{p}_depthwise_conv")(x)
+        h = keras.layers.LayerNormalization(name=f"{p}_layernorm")(h)
+        h = keras.layers.Dense(64, name=f"{p}_pointwise_conv_1")(h)
+        h = keras.layers.Activation("gelu", name=f"{p}_gelu")(h)
+        h = keras.layers.Dense(16, name=f"{p}_pointwise_conv_2")(h)
+        x = keras.layers.Add(name=f"{p}_add")([x, h])
+    x = keras.layers.GlobalAveragePooling2D(name="convnext_tiny_head_global_average_pooling")(x)
+    outputs = keras.layers.Dense(10, name="convnext_tiny_head_dense")(x)
+    return keras.Model(inputs, outputs, name="convnext_like")
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, str]:
     folder = tmp_path_factory.mktemp("cli_models")
@@ -45,8 +63,12 @@ def models(tmp_path_factory) -> dict[str, str]:
     residual = keras.Model(inputs, keras.layers.Dense(2, name="out")(x))
     subclassed = _Subclassed()
     subclassed(keras.ops.zeros((1, 8)))
+    compiled = keras.models.clone_model(mlp)
+    compiled.compile(optimizer="adam", loss="mse")  # saved compiled, never trained
     paths = {}
-    for name, model in (("mlp", mlp), ("residual", residual), ("subclassed", subclassed)):
+    saved = [("mlp", mlp), ("residual", residual), ("subclassed", subclassed)]
+    saved += [("compiled", compiled), ("convnext", _convnext_like())]
+    for name, model in saved:
         paths[name] = str(folder / f"{name}.keras")
         model.save(paths[name])
     paths["garbage"] = str(folder / "garbage.keras")
@@ -72,26 +94,21 @@ def test_plan_prints_segments_and_peak(models, capsys):
 
 
 def test_plan_with_budget_on_functional_model(models, capsys):
-    code = main(
-        [
-            "plan",
-            models["residual"],
-            "--batch-size",
-            "1024",
-            "--strategy",
-            "optimal",
-            "--budget",
-            "800KiB",
-        ]  # fmt: skip
-    )
+    argv = ["plan", models["residual"], "--batch-size", "1024", "--strategy", "optimal"]
+    argv += ["--budget", "800KiB"]
+    code = main(argv)
     out = capsys.readouterr().out
     assert code == 0
     assert "Plan 'optimal'" in out and "(proven optimal)" in out
     rows = [line for line in out.splitlines() if "recomputed" in line]
-    # a merged link (a Dense and the Add after it) is among the recomputed ones
-    assert rows and any(re.search(r"block\d_b\+block\d_add", row) for row in rows)
+    # A row of more than two calls is named by its first and last and a count.
+    assert rows and any(re.search(r"block\d_a … block\d_add \(2 links\)", row) for row in rows)
     peak = int(out.split("Predicted peak: ")[1].split("(")[1].split()[0])
     assert peak <= 560 * 1024  # 800 KiB less the default headroom of 30%
+    assert main([*argv, "--all-names"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if "recomputed" in line]
+    # a merged link (a Dense and the Add after it) is among the recomputed ones
+    assert rows and any(re.search(r"block\d_a, block\d_b\+block\d_add", row) for row in rows)
 
 
 def _predicted_peak(out: str) -> int:
@@ -130,9 +147,8 @@ def test_profile_table(models, capsys):
     captured = capsys.readouterr()
     assert code == 0
     header = captured.out.splitlines()[1].split()
-    assert header == [
-        "#", "name", "output", "saved", "workspace", "grads", "input", "copy", "forward", "FLOPs"
-    ]  # fmt: skip
+    # Short headers ("copy", "FLOPs", explained below the table) leave the names room.
+    assert header == ["#", "name", "output", "saved", "workspace", "grads", "copy", "FLOPs"]
     rows = {line.split()[1]: line.split() for line in captured.out.splitlines()[2:9]}
     # output, saved, workspace, grads, input copy: (value, unit) pairs after "#" and the name.
     cells = [" ".join(rows["block0_a"][k : k + 2]) for k in range(2, 12, 2)]
@@ -187,7 +203,10 @@ def test_timeline_plot(models, capsys, tmp_path):
     code = main(["timeline", models["mlp"], "--batch-size", "2048", "--plot", str(png)])
     out = capsys.readouterr().out
     assert code == 0
-    assert "none: peak" in out and "sqrt: peak" in out and "of the peak of none" in out
+    # A table of both plans' peaks (it was a sentence per plan, too wide for 100 columns).
+    rows = {line.split()[0]: line for line in out.splitlines()[2:4]}
+    assert set(rows) == {"none", "sqrt"} and "of link" in rows["sqrt"]
+    assert "sqrt uses" in out and "of the peak of none" in out
     assert _is_png(png)
 
 
@@ -226,11 +245,14 @@ def test_infeasible_budget_reports_minimum(models, capsys):
     argv = ["plan", models["mlp"], "--batch-size", "256", "--strategy", "optimal"]
     assert main([*argv, "--budget", "1KiB"]) == 1
     err = capsys.readouterr().err
-    assert "the budget 1.00 KiB less 30% headroom for the allocator" in err
+    # One line, sizes in binary units with the exact byte count in brackets.
+    assert err.count("\n") == 1 and err.startswith("error: tfrecompute plan: the plan must fit in")
+    assert "the budget 1.00 KiB (1024 bytes) less 30% headroom for the allocator" in err
     assert "the least predicted peak the strategy reaches is" in err
     assert "Received: budget='1KiB' (of type str)" in err
-    assert "The minimum feasible budget is" in err and "KiB" in err
-    minimum = err.split("pass --budget ")[1].split()[0]
+    found = re.search(r"Raise the budget to at least \d+\.\d\d KiB \((\d+) bytes\)", err)
+    assert found, err
+    minimum = found.group(1)
     assert main([*argv, "--budget", minimum]) == 0  # the minimum it names is feasible
     assert "Plan 'optimal'" in capsys.readouterr().out
     assert main([*argv, "--budget", str(int(minimum) - 1)]) == 1  # and the least one
@@ -309,3 +331,89 @@ def test_profile_draws_a_progress_bar_on_a_terminal(models):
     assert frames[-2].startswith("profiling [" + "#" * 30 + "]")
     assert frames[-1].startswith("profiled 10 layer calls in ") and frames[-1].endswith("\n")
     assert len(frames[-1].rstrip("\n")) >= len(frames[-2])
+
+
+# ------------------------------------------------------------- the first five minutes
+
+_WRAPPER = """
+import runpy, sys, time
+start = time.perf_counter()
+sys.argv = ["tfrecompute", *sys.argv[1:]]
+try:
+    runpy.run_module("tfrecompute", run_name="__main__")
+except SystemExit as exit_:
+    code = exit_.code
+answered = time.perf_counter() - start
+loaded = sorted({m.split(".")[0] for m in sys.modules} & {"tensorflow", "keras"})
+start = time.perf_counter()
+import tensorflow
+print()
+print("RESULT", code, ",".join(loaded) or "-", answered / (time.perf_counter() - start))
+"""
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--help"],
+        ["plan", "--help"],
+        ["plan", "model.keras", "--batch-size", "8", "--budget", "204M"],
+        ["frontier", "model.keras", "--batch-size", "8", "--strategy", "fast"],
+        ["timeline", "model.keras", "--batch-size", "8", "--budget", "1GiB", "--headroom", "2"],
+        ["plan", "no_such_model.keras", "--batch-size", "8"],
+    ],
+)
+def test_help_and_usage_errors_answer_before_tensorflow_is_imported(argv, tmp_path):
+    root = pathlib.Path(__file__).resolve().parent.parent
+    (tmp_path / "model.keras").write_bytes(b"never read: the options fail first")
+    result = subprocess.run(
+        [sys.executable, "-c", _WRAPPER, *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    _, code, loaded, ratio = result.stdout.splitlines()[-1].split()
+    assert code == ("0" if "--help" in argv else "2"), result.stderr
+    assert loaded == "-"  # neither tensorflow nor keras
+    # Answering takes a small share of what importing TensorFlow alone takes (about 0.05).
+    assert float(ratio) < 0.5
+
+
+def test_a_command_prints_no_tensorflow_start_up_logs(models):
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TF_CPP")}
+    argv = ["plan", models["compiled"], "--batch-size", "8"]
+    quiet = subprocess.run(
+        [sys.executable, "-m", "tfrecompute", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**env, "PYTHONPATH": str(root)},
+    )
+    assert quiet.returncode == 0, quiet.stderr[-2000:]
+    assert "Plan 'sqrt'" in quiet.stdout
+    assert quiet.stderr == ""  # no absl, oneDNN, cuda or cuInit lines, no Keras warnings
+
+
+def test_loading_a_compiled_untrained_model_does_not_warn(models, capsys, recwarn):
+    assert main(["profile", models["compiled"], "--batch-size", "8"]) == 0
+    assert "Weight gradients (grads): each updated" in capsys.readouterr().out
+    assert not [w for w in recwarn if "Skipping variable loading" in str(w.message)]
+
+
+@pytest.mark.parametrize("command", ["plan", "profile", "timeline"])
+def test_tables_fit_100_columns_unless_all_names(models, capsys, command):
+    argv = [command, models["convnext"], "--batch-size", "32"]
+    if command != "profile":
+        argv += ["--strategy", "uniform:2"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 100, out
+    assert "…" in out  # the long names were cut to fit
+    assert main([*argv, "--all-names"]) == 0
+    out = capsys.readouterr().out
+    assert "convnext_tiny_stage_0_block_1_pointwise_conv_1+convnext_tiny_stage_0_block_1_gelu" in (
+        out
+    )

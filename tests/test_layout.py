@@ -31,6 +31,8 @@ ORDER = [
     "tfrecompute.strategies.headroom",
     "tfrecompute.strategies.registry",
     "tfrecompute.strategies",
+    "tfrecompute.startup",
+    "tfrecompute.plots",
     "tfrecompute._keras_internals",
     "tfrecompute.layers.custom_gradient",
     "tfrecompute.layers.state",

@@ -1,22 +1,29 @@
 """tfrecompute: gradient checkpointing for Keras 3 on TensorFlow.
 
-`import tfrecompute` imports TensorFlow and Keras and registers
-`RecomputeBlock` for Keras serialization. The planner,
-`tfrecompute.strategies`, is pure Python: it also imports where TensorFlow is
-not installed, and then the TensorFlow parts are simply absent.
+`import tfrecompute` is quick and pure Python: it imports the planner,
+`tfrecompute.strategies`, the exception types and `quiet_tensorflow`. The
+TensorFlow parts (`RecomputeBlock`, `profile`, `plan`, `recompute`,
+`measure_step`, ...) are imported the first time one of them is used, all
+together, which also registers `RecomputeBlock` for Keras serialization: load
+a saved model with blocks after `from tfrecompute import RecomputeBlock` (or
+after any other use of the TensorFlow parts). Where TensorFlow is not
+installed they are absent from `__all__`, and using one raises the
+`ImportError` of TensorFlow.
 
 The modules follow the data path, each importing only those before it:
 `errors` and `_messages` (pure Python), `strategies/` (the planner),
-`_keras_internals` (every private Keras/TensorFlow symbol), `layers/`
-(`RecomputeBlock`), `graph` (a model's layer graph), `call_costs` and
-`costs` (`profile`: the graph's `Chain`), `rewrite` (a plan applied to a
-model), `models` (`plan`, `recompute`), `measure` (`measure_step`,
-`trace_step`), `precision` (`check_precision`), and `cli` on top.
+`startup` (`quiet_tensorflow`), `_keras_internals` (every private
+Keras/TensorFlow symbol), `layers/` (`RecomputeBlock`), `graph` (a model's
+layer graph), `call_costs` and `costs` (`profile`: the graph's `Chain`),
+`rewrite` (a plan applied to a model), `models` (`plan`, `recompute`),
+`measure` (`measure_step`, `trace_step`), `precision` (`check_precision`),
+and `cli` on top.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 from tfrecompute import strategies
 from tfrecompute.errors import (
@@ -25,8 +32,23 @@ from tfrecompute.errors import (
     RecomputeMismatchError,
     TfrecomputeError,
 )
+from tfrecompute.startup import quiet_tensorflow
 
 __version__ = "0.1.0"
+
+_TENSORFLOW_PARTS = (
+    "Allocation",
+    "PrecisionFinding",
+    "RecomputeBlock",
+    "StepMeasurement",
+    "StepTrace",
+    "check_precision",
+    "measure_step",
+    "plan",
+    "profile",
+    "recompute",
+    "trace_step",
+)
 
 __all__ = [
     "InfeasibleBudgetError",
@@ -34,26 +56,44 @@ __all__ = [
     "RecomputeMismatchError",
     "TfrecomputeError",
     "__version__",
+    "quiet_tensorflow",
     "strategies",
 ]
-
 if importlib.util.find_spec("tensorflow") is not None:
+    __all__ += _TENSORFLOW_PARTS
+
+
+def _import_tensorflow_parts() -> dict[str, Any]:
+    """Imports every TensorFlow part at once (so that `RecomputeBlock` is registered)."""
     from tfrecompute.costs import profile
     from tfrecompute.layers import RecomputeBlock
     from tfrecompute.measure import Allocation, StepMeasurement, StepTrace, measure_step, trace_step
     from tfrecompute.models import plan, recompute
     from tfrecompute.precision import PrecisionFinding, check_precision
 
-    __all__ += [
-        "Allocation",
-        "PrecisionFinding",
-        "RecomputeBlock",
-        "StepMeasurement",
-        "StepTrace",
-        "check_precision",
-        "measure_step",
-        "plan",
-        "profile",
-        "recompute",
-        "trace_step",
-    ]
+    return {
+        "Allocation": Allocation,
+        "PrecisionFinding": PrecisionFinding,
+        "RecomputeBlock": RecomputeBlock,
+        "StepMeasurement": StepMeasurement,
+        "StepTrace": StepTrace,
+        "check_precision": check_precision,
+        "measure_step": measure_step,
+        "plan": plan,
+        "profile": profile,
+        "recompute": recompute,
+        "trace_step": trace_step,
+    }
+
+
+def __getattr__(name: str) -> Any:
+    """The TensorFlow parts, imported on first use (PEP 562)."""
+    if name not in _TENSORFLOW_PARTS:
+        raise AttributeError(f"module 'tfrecompute' has no attribute {name!r}")
+    parts = _import_tensorflow_parts()
+    globals().update(parts)  # later lookups find them without this function
+    return parts[name]
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -6,11 +6,18 @@ Subcommands (each takes `--help`):
   [--all-names]`: the plan table (`--all-names` names every layer of each
   row). A budget is planned less its headroom for the allocator
   (`tfrecompute.strategies.DEFAULT_HEADROOM` by default).
-* `profile MODEL.keras --batch-size N`: the per-link costs the planner sees.
+* `profile MODEL.keras --batch-size N [--all-names]`: the per-link costs the planner sees.
 * `frontier MODEL.keras --batch-size N [--plot out.png] [--budget B [--headroom H]]`:
   the memory/recompute-cost Pareto curve.
 * `timeline MODEL.keras --batch-size N [--plot out.png] [--strategy S] [--budget B [--headroom H]]`:
   predicted live memory over one training step, without and with the plan.
+
+Arguments, budgets, headrooms and strategy names are checked before
+TensorFlow is imported, so `--help` and usage errors answer at once.
+TensorFlow's start-up logs are hidden unless `--verbose` is given; models
+load uncompiled with the optimizer of their saved compile config, so Keras
+has no optimizer state to restore and warn about. Tables fit 100 columns
+(`--all-names` prints every name in full).
 
 Exit codes: 0 on success, 2 for usage errors (bad arguments, a malformed
 budget, an unknown strategy, a model file that does not exist), 1 for other
@@ -29,23 +36,27 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import math
 import os
 import sys
 import time
+import zipfile
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, TextIO
 
-from tfrecompute import strategies
+from tfrecompute import plots, strategies
 from tfrecompute._messages import received
 from tfrecompute.errors import InfeasibleBudgetError
-from tfrecompute.strategies._table import table
+from tfrecompute.startup import quiet_tensorflow
+from tfrecompute.strategies._table import WIDTH, free_width, span_name, table
 from tfrecompute.strategies.headroom import check_headroom
 from tfrecompute.strategies.units import budget_bytes
 
 __all__ = ["main"]
 
 _PLOT_EXTRA = 'pip install "tfrecompute[plot]"'
-_MIB = float(2**20)
 
 
 class CliError(Exception):
@@ -86,6 +97,12 @@ def _build_parser() -> argparse.ArgumentParser:
         sub.add_argument(
             "--batch-size", type=_positive_int, required=True, help="the training batch size"
         )
+        sub.add_argument(
+            "-v",
+            "--verbose",
+            action="store_true",
+            help="show TensorFlow's start-up logs (hidden by default)",
+        )
         return sub
 
     def strategy_options(sub: argparse.ArgumentParser, default: str) -> None:
@@ -98,15 +115,20 @@ def _build_parser() -> argparse.ArgumentParser:
             f"(default {strategies.DEFAULT_HEADROOM:g}; 0 plans to the budget)",
         )
 
+    def all_names(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument(
+            "--all-names",
+            action="store_true",
+            help=f"print every layer name in full (by default tables fit {WIDTH} columns: "
+            "a row of more than two layer calls is named by its first and last and a count)",
+        )
+
     plan = model_command("plan", "Print the recompute plan of a model.")
     strategy_options(plan, "sqrt")
-    plan.add_argument(
-        "--all-names",
-        action="store_true",
-        help="name every layer of each row (by default a row of three or more names two)",
-    )
+    all_names(plan)
 
-    model_command("profile", "Print the per-link memory and compute costs of a model.")
+    profile = model_command("profile", "Print the per-link memory and compute costs of a model.")
+    all_names(profile)
 
     frontier = model_command(
         "frontier", "Print (and plot) the memory / recompute-cost Pareto frontier."
@@ -118,6 +140,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "timeline", "Print (and plot) predicted live memory over one training step."
     )
     strategy_options(timeline, "sqrt")
+    all_names(timeline)
     timeline.add_argument("--plot", metavar="OUT.png", help="write the timeline to a PNG file")
 
     return parser
@@ -167,11 +190,42 @@ def _strategy(command: str, name: str) -> strategies.Strategy:
         ) from None
 
 
+def _check_options(command: str, args: argparse.Namespace) -> None:
+    """Every option a command has, checked before TensorFlow is imported."""
+    if hasattr(args, "strategy"):
+        _headroom(command, args)
+        _strategy(command, args.strategy)
+
+
+def _planned_budget(command: str, args: argparse.Namespace) -> plots.Budget | None:
+    """The budget as the plots mark it: the total and what the plan had to fit."""
+    total = _budget(command, args.budget)
+    if total is None:
+        return None
+    headroom = strategies.DEFAULT_HEADROOM if args.headroom is None else float(args.headroom)
+    planned = max(math.floor(total * (1 - check_headroom(command, headroom))), 1)
+    return plots.Budget(args.budget, total, planned)
+
+
 # -------------------------------------------------------------------- models
 
 
-def _load_model(command: str, path: str) -> Any:
-    """Loads a `.keras` model, compiled as saved: the profile reads its optimizer."""
+@dataclass(frozen=True)
+class _Loaded:
+    """A model loaded for planning, and the optimizer it was saved compiled with."""
+
+    model: Any
+    optimizer: Any
+
+
+def _load_model(command: str, args: argparse.Namespace) -> _Loaded:
+    """Loads a `.keras` model uncompiled, with the optimizer of its saved compile config.
+
+    Profiling reads only the optimizer's handling of gradients, so the model is
+    not compiled: Keras would otherwise restore the optimizer's variables and
+    warn when a model saved untrained has none.
+    """
+    path = args.model
     if not os.path.isfile(path):
         what = "is a directory" if os.path.isdir(path) else "does not exist"
         raise CliError(
@@ -179,13 +233,13 @@ def _load_model(command: str, path: str) -> Any:
             "Pass the path of a model saved with model.save('model.keras').",
             code=2,
         )
-    _quiet_tensorflow()
+    quiet_tensorflow(verbose=args.verbose)
     import keras
 
-    import tfrecompute  # noqa: F401  (registers RecomputeBlock for deserialization)
+    from tfrecompute import RecomputeBlock  # noqa: F401  (registers it for deserialization)
 
     try:
-        return keras.models.load_model(path)
+        return _Loaded(keras.models.load_model(path, compile=False), _saved_optimizer(path))
     except Exception as error:  # noqa: BLE001 - any failure means "cannot read it"
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
         raise CliError(
@@ -195,8 +249,14 @@ def _load_model(command: str, path: str) -> Any:
         ) from None
 
 
-def _quiet_tensorflow() -> None:
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+def _saved_optimizer(path: str) -> Any:
+    """The optimizer of a `.keras` file's compile config; None if it was saved uncompiled."""
+    import keras
+
+    with zipfile.ZipFile(path) as archive:
+        config = json.loads(archive.read("config.json"))
+    optimizer = (config.get("compile_config") or {}).get("optimizer")
+    return None if optimizer is None else keras.optimizers.get(optimizer)
 
 
 @contextlib.contextmanager
@@ -204,12 +264,7 @@ def _library_errors() -> Iterator[None]:
     """Turns the library's errors into `CliError`s (exit code 1)."""
     try:
         yield
-    except InfeasibleBudgetError as error:
-        raise CliError(
-            f"{error}\nThe minimum feasible budget is {strategies.format_bytes(error.minimum)} "
-            f"({error.minimum} bytes): pass --budget {error.minimum} or more."
-        ) from None
-    except (TypeError, ValueError) as error:
+    except (InfeasibleBudgetError, TypeError, ValueError) as error:
         raise CliError(str(error)) from None
 
 
@@ -222,7 +277,13 @@ def _progress_bar(done: int, total: int, *, width: int = 30) -> str:
     )
 
 
-def _profile(model: Any, batch_size: int, *, progress: TextIO | None = None) -> strategies.Chain:
+def _profile(
+    model: Any,
+    batch_size: int,
+    *,
+    optimizer: Any = None,
+    progress: TextIO | None = None,
+) -> strategies.Chain:
     """`tfrecompute.profile`, with a progress bar of analysed layer calls on `progress`.
 
     The bar is redrawn in place on a terminal; elsewhere (a pipe, a log file)
@@ -231,7 +292,7 @@ def _profile(model: Any, batch_size: int, *, progress: TextIO | None = None) -> 
     import tfrecompute
 
     if progress is None:
-        return tfrecompute.profile(model, batch_size)
+        return tfrecompute.profile(model, batch_size, optimizer=optimizer)
     interactive = progress.isatty()
     start = time.perf_counter()
     counted = {"total": 0}
@@ -242,7 +303,7 @@ def _profile(model: Any, batch_size: int, *, progress: TextIO | None = None) -> 
             progress.write(f"\r{_progress_bar(done, total)}")
             progress.flush()
 
-    chain = tfrecompute.profile(model, batch_size, progress=report)
+    chain = tfrecompute.profile(model, batch_size, optimizer=optimizer, progress=report)
     summary = f"profiled {counted['total']} layer calls in {time.perf_counter() - start:.1f} s"
     if interactive:  # overwrite the whole bar
         summary = "\r" + summary.ljust(len(_progress_bar(counted["total"], counted["total"])))
@@ -251,29 +312,28 @@ def _profile(model: Any, batch_size: int, *, progress: TextIO | None = None) -> 
     return chain
 
 
-def _chain(command: str, args: argparse.Namespace, *, progress: bool = False) -> Any:
-    model = _load_model(command, args.model)
+def _chain(
+    command: str, args: argparse.Namespace, *, progress: bool = False
+) -> tuple[Any, strategies.Chain]:
+    """The model of `args` and its chain; every option checked first."""
+    _check_options(command, args)
+    loaded = _load_model(command, args)
     with _library_errors():
-        return _profile(model, args.batch_size, progress=sys.stderr if progress else None)
+        chain = _profile(
+            loaded.model,
+            args.batch_size,
+            optimizer=loaded.optimizer,
+            progress=sys.stderr if progress else None,
+        )
+    return loaded.model, chain
 
 
 # ------------------------------------------------------------------ commands
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    headroom = _headroom("plan", args)  # fail fast, before loading the model
-    _strategy("plan", args.strategy)
-    model = _load_model("plan", args.model)
-    import tfrecompute
-
-    with _library_errors():
-        plan = tfrecompute.plan(
-            model,
-            args.strategy,
-            budget=args.budget,
-            batch_size=args.batch_size,
-            headroom=headroom,
-        )
+    model, chain = _chain("plan", args)
+    plan = _chosen("plan", chain, args)
     print(f"Model {model.name!r} at batch size {args.batch_size}")
     print(plan.summary(all_names=args.all_names))
     return 0
@@ -287,28 +347,32 @@ def _flops(value: float) -> str:
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
-    chain = _chain("profile", args, progress=True)
+    _, chain = _chain("profile", args, progress=True)
     fmt = strategies.format_bytes
     rows = [
-        (
+        [
             str(i),
-            chain.names[i],
+            "",
             fmt(chain.output_bytes[i]),
             fmt(chain.saved_bytes[i]),
             fmt(chain.workspace_bytes[i]),
             fmt(chain.kept_grad_bytes[i] + chain.applied_grad_bytes[i]),
             fmt(chain.input_copy_bytes[i]),
             _flops(chain.forward_cost[i]),
-        )
+        ]
         for i in range(chain.n)
     ]
-    header = ("#", "name", "output", "saved", "workspace", "grads", "input copy", "forward FLOPs")
+    header = ("#", "name", "output", "saved", "workspace", "grads", "copy", "FLOPs")
+    width = None if args.all_names else free_width(header, rows, 1)
+    for row, name in zip(rows, chain.names):
+        row[1] = span_name([name], width)
     print(f"Chain of {chain.n} links at batch size {args.batch_size}")
     print(table(header, rows, right={0, 2, 3, 4, 5, 6, 7}))
     print(
         f"Input {fmt(chain.input_bytes)}; saved in total {fmt(sum(chain.saved_bytes))}; "
         f"forward cost {_flops(chain.total_forward_cost)}FLOPs"
     )
+    print("FLOPs: each link's forward; copy: the copy of its input a recompute reads")
     if any(chain.kept_grad_bytes):
         print(
             "Weight gradients (grads): all kept until the step's end (the optimizer needs "
@@ -317,7 +381,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     elif any(chain.applied_grad_bytes):
         print(
             f"Weight gradients (grads): each updated during the backward of the next "
-            f"{chain.UPDATE_LAG} links, or at the end of its segment's backward when recomputed"
+            f"{chain.UPDATE_LAG} links,\nor at the end of its segment's backward when recomputed"
         )
     none = strategies.none(chain)
     print(
@@ -341,10 +405,9 @@ def _chosen(command: str, chain: Any, args: argparse.Namespace) -> strategies.Pl
 
 
 def _cmd_frontier(args: argparse.Namespace) -> int:
-    _headroom("frontier", args)
-    _strategy("frontier", args.strategy)
-    pyplot_figure = _figure_class() if args.plot else None
-    chain = _chain("frontier", args)
+    _check_options("frontier", args)
+    figure_class = _figure_class() if args.plot else None  # before the model loads
+    _, chain = _chain("frontier", args)
     chosen = _chosen("frontier", chain, args)
     points = strategies.frontier(chain)
     marks = {
@@ -364,8 +427,16 @@ def _cmd_frontier(args: argparse.Namespace) -> int:
     width = max(len(name) for name in [*marks, label]) + 2
     for name, plan in [*marks.items(), (label, chosen)]:
         print(f"{name:<{width}}peak {fmt(plan.peak_bytes)}, cost {_share(plan):.1f}%")
-    if pyplot_figure is not None:
-        _plot_frontier(pyplot_figure, args.plot, points, marks, label, chosen, args)
+    if figure_class is not None:
+        figure = plots.frontier_figure(
+            figure_class,
+            points,
+            marks,
+            (label, chosen),
+            title=_title("Memory / recompute trade-off", args),
+            budget=_planned_budget("frontier", args),
+        )
+        _save(figure, args.plot)
         print(f"Wrote {args.plot}")
     return 0
 
@@ -377,6 +448,10 @@ def _chosen_label(args: argparse.Namespace) -> str:
     return f"{args.strategy} @ {args.budget} (headroom {headroom})"
 
 
+def _title(what: str, args: argparse.Namespace) -> str:
+    return f"{what}: {os.path.basename(args.model)}, batch {args.batch_size}"
+
+
 def _spread(points: list[strategies.Plan], most: int) -> list[strategies.Plan]:
     if len(points) <= most:
         return points
@@ -385,26 +460,36 @@ def _spread(points: list[strategies.Plan], most: int) -> list[strategies.Plan]:
 
 
 def _cmd_timeline(args: argparse.Namespace) -> int:
-    _headroom("timeline", args)
-    _strategy("timeline", args.strategy)
-    figure = _figure_class() if args.plot else None
-    chain = _chain("timeline", args)
+    _check_options("timeline", args)
+    figure_class = _figure_class() if args.plot else None  # before the model loads
+    _, chain = _chain("timeline", args)
     chosen = _chosen("timeline", chain, args)
     base = strategies.none(chain)
     label = _chosen_label(args)
-    fmt = strategies.format_bytes
+    rows = []
     for name, plan in (("none", base), (label, chosen)):
         events = plan.timeline()
         top = max(events, key=lambda e: e.live_bytes)
-        print(
-            f"{name}: peak {fmt(top.live_bytes)} during the {top.phase} of link {top.link} "
-            f"({chain.names[top.link]}); {len(events)} moments, recompute cost "
-            f"{_share(plan):.1f}%"
+        rows.append(
+            [name, strategies.format_bytes(top.live_bytes), f"{_share(plan):.1f}%"]
+            + [f"{top.phase} of link {top.link}", chain.names[top.link]]
         )
+    header = ("plan", "peak", "recompute cost", "the peak is during", "link name")
+    width = None if args.all_names else free_width(header, rows, 4)
+    for row in rows:
+        row[4] = span_name([row[4]], width)
+    print(f"Predicted live memory of one training step at batch size {args.batch_size}")
+    print(table(header, rows, right={1, 2}))
     if base.peak_bytes:
         print(f"{label} uses {chosen.peak_bytes / base.peak_bytes:.0%} of the peak of none")
-    if figure is not None:
-        _plot_timeline(figure, args.plot, [("none", base), (label, chosen)], args)
+    if figure_class is not None:
+        figure = plots.timeline_figure(
+            figure_class,
+            [("none", base), (label, chosen)],
+            title=_title("Memory over one training step", args),
+            budget=_planned_budget("timeline", args),
+        )
+        _save(figure, args.plot)
         print(f"Wrote {args.plot}")
     return 0
 
@@ -427,139 +512,14 @@ def _figure_class() -> Any:
     return Figure
 
 
-def _ticker() -> Any:
-    import matplotlib.ticker
-
-    return matplotlib.ticker
-
-
 def _save(figure: Any, path: str) -> None:
-    figure.tight_layout()
     try:
-        figure.savefig(path, dpi=150)
+        figure.savefig(path, dpi=150, bbox_inches="tight")
     except (OSError, ValueError) as error:
         raise CliError(
             f"tfrecompute: cannot write the plot ({error}). {received('--plot', path)}. "
             "Pass a writable path ending in .png."
         ) from None
-
-
-def _plot_frontier(
-    figure_class: Callable[..., Any],
-    path: str,
-    points: list[strategies.Plan],
-    marks: dict[str, strategies.Plan],
-    label: str,
-    chosen: strategies.Plan,
-    args: argparse.Namespace,
-) -> None:
-    figure = figure_class(figsize=(7, 4.5))
-    axes = figure.add_subplot()
-    xs = [p.peak_bytes / _MIB for p in points]
-    ys = [_share(p) for p in points]
-    # Between two frontier points, the best plan under a budget is the left one:
-    # a staircase, extended to the right edge.
-    right = max(xs + [p.peak_bytes / _MIB for p in marks.values()]) * 1.04
-    axes.step([*xs, right], [*ys, ys[-1]], where="post", color="0.55", lw=1.2, zorder=1)
-    axes.scatter(xs, ys, s=14, color="0.35", zorder=2, label="Pareto-optimal plans")
-    # sqrt and heuristic often coincide: the diamond is drawn inside the triangle.
-    styles = {
-        "none": ("s", "tab:gray", 70),
-        "sqrt": ("^", "tab:blue", 160),
-        "heuristic": ("D", "tab:orange", 45),
-    }
-    for name, plan in marks.items():
-        marker, color, size = styles[name]
-        axes.scatter(
-            plan.peak_bytes / _MIB,
-            _share(plan),
-            marker=marker,
-            s=size,
-            color=color,
-            edgecolor="black",
-            zorder=3,
-            label=f"{name} ({strategies.format_bytes(plan.peak_bytes)}, {_share(plan):.0f}%)",
-        )
-    axes.scatter(
-        chosen.peak_bytes / _MIB,
-        _share(chosen),
-        marker="*",
-        s=220,
-        color="tab:red",
-        edgecolor="black",
-        zorder=4,
-        label=f"{label} ({strategies.format_bytes(chosen.peak_bytes)}, {_share(chosen):.0f}%)",
-    )
-    if args.budget:
-        budget = _budget("frontier", args.budget)
-        assert budget is not None
-        axes.axvline(budget / _MIB, color="tab:red", ls="--", lw=1, label=f"budget {args.budget}")
-    axes.set_xlabel("predicted peak memory of a training step (MiB)")
-    axes.set_ylabel("recompute cost (% of one forward pass)")
-    axes.set_title(
-        f"Memory / recompute trade-off: {os.path.basename(args.model)}, batch {args.batch_size}"
-    )
-    axes.set_ylim(bottom=-3)
-    axes.grid(alpha=0.3)
-    axes.legend(fontsize=8, loc="upper right")
-    _save(figure, path)
-
-
-def _plot_timeline(
-    figure_class: Callable[..., Any],
-    path: str,
-    plans: list[tuple[str, strategies.Plan]],
-    args: argparse.Namespace,
-) -> None:
-    figure = figure_class(figsize=(8, 4.5))
-    axes = figure.add_subplot()
-    colors = ["tab:gray", "tab:blue"]
-    ends = []
-    for (name, plan), color in zip(plans, colors):
-        events = plan.timeline()
-        xs = list(range(len(events) + 1))
-        ys = [e.live_bytes / _MIB for e in events]
-        axes.step(xs, [*ys, ys[-1]], where="post", color=color, lw=1.6, label=name)
-        # Recomputed moments: the extra forward runs during the backward pass.
-        shaded = [k for k, event in enumerate(events) if event.phase == "recompute"]
-        for k in shaded:
-            axes.axvspan(
-                k, k + 1, color=color, alpha=0.15, lw=0,
-                label=f"{name}: recompute" if k == shaded[0] else None,
-            )  # fmt: skip
-        top = max(range(len(events)), key=lambda k: events[k].live_bytes)
-        axes.axhline(ys[top], color=color, ls=":", lw=1)
-        axes.annotate(
-            f"peak {strategies.format_bytes(events[top].live_bytes)}",
-            (top + 0.5, ys[top]),
-            xytext=(0, 6),
-            textcoords="offset points",
-            ha="center",
-            fontsize=8,
-            color=color,
-        )
-        ends.append(len(events))
-    forward = plans[0][1].chain.n
-    axes.axvline(forward, color="black", lw=0.8, ls="--")
-    axes.text(forward / 2, 0.02, "forward", transform=axes.get_xaxis_transform(), ha="center")
-    axes.text(
-        forward + (max(ends) - forward) / 2,
-        0.02,
-        "backward",
-        transform=axes.get_xaxis_transform(),
-        ha="center",
-    )
-    axes.set_xlim(0, max(ends))
-    axes.xaxis.set_major_locator(_ticker().MaxNLocator(integer=True))
-    axes.set_ylim(bottom=0, top=max(p.peak_bytes for _, p in plans) / _MIB * 1.15)
-    axes.set_xlabel("moment of the training step (one layer run each)")
-    axes.set_ylabel("predicted live memory (MiB)")
-    axes.set_title(
-        f"Memory over one training step: {os.path.basename(args.model)}, batch {args.batch_size}"
-    )
-    axes.grid(alpha=0.3)
-    axes.legend(fontsize=8, loc="upper left")
-    _save(figure, path)
 
 
 # ---------------------------------------------------------------------- main

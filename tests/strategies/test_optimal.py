@@ -147,9 +147,9 @@ def test_infeasible_budget_message() -> None:
     with pytest.raises(
         InfeasibleBudgetError,
         match=(
-            r"^optimal: budget 1\.00 MiB is below the least peak any plan reaches, 1\.75 MiB\. "
-            r"Received: budget=1048576 \(of type int\)\. Raise the budget to at least 1835008 "
-            r"bytes, or reduce the batch size\.$"
+            r"^optimal: budget 1\.00 MiB \(1048576 bytes\) is below the least peak any plan "
+            r"reaches, 1\.75 MiB \(1835008 bytes\)\. Received: budget=1048576 \(of type int\)\. "
+            r"Raise the budget to at least 1\.75 MiB \(1835008 bytes\), or reduce the batch size\.$"
         ),
     ) as info:
         optimal(chain, 1048576)

@@ -169,3 +169,34 @@ def test_validation_errors(kwargs: dict[str, object], error: type[Exception], ma
 def test_from_segments_errors_name_their_api() -> None:
     with pytest.raises(ValueError, match=r"^Plan\.from_segments: segment \(0, 0\) is empty"):
         Plan.from_segments(_chain(), [(0, 0)])
+
+
+def _convnext_names(blocks: int) -> list[str]:
+    """Link names as profile() makes them for a ConvNeXt: long, and merged calls joined by "+"."""
+    names = ["convnext_tiny_stem_conv+convnext_tiny_stem_layernorm"]
+    for b in range(blocks):
+        p = f"convnext_tiny_stage_{b // 3}_block_{b % 3}"
+        names += [
+            f"{p}_depthwise_conv",
+            f"{p}_layernorm+{p}_pointwise_conv_1",
+            f"{p}_gelu+{p}_pointwise_conv_2+{p}_layer_scale+{p}_add",
+        ]
+    return names
+
+
+def test_summary_fits_100_columns_with_long_names() -> None:
+    names = _convnext_names(9)
+    n = len(names)
+    chain = Chain(
+        1 << 20, [1 << 24] * n, [3 << 24] * n, [1e9] * n, names=names
+    )  # 16 MiB activations
+    plan = Plan.from_segments(chain, [(1, 3), (3, 4), (9, 20)])
+    summary = plan.summary()
+    assert max(len(line) for line in summary.splitlines()) <= 100, summary
+    rows = summary.splitlines()[2:-2]
+    # A run is named by its first and last call and a count; a merged link by its calls.
+    assert rows[1].startswith("1-2    convne") and "… convne" in rows[1], summary
+    assert "wise_conv_1 (2 links)" in rows[1]
+    assert rows[2].startswith("3      convne") and "… add (4 calls)" in rows[2]
+    everything = plan.summary(all_names=True)
+    assert names[-1] in everything and max(len(line) for line in everything.splitlines()) > 100

@@ -40,9 +40,10 @@ def test_fixed_strategies_raise_when_their_plan_exceeds_the_budget() -> None:
     with pytest.raises(
         InfeasibleBudgetError,
         match=(
-            r"^none: the plan's predicted peak 1\.17 KiB exceeds the budget 900 B\. Received: "
-            r"budget=900 \(of type int\)\. Raise the budget to at least 1200 bytes for this "
-            r"strategy, or use the \"optimal\" strategy, which needs 700 bytes\.$"
+            r"^none: the plan's predicted peak 1\.17 KiB \(1200 bytes\) exceeds the budget 900 B\. "
+            r"Received: budget=900 \(of type int\)\. Raise the budget to at least 1\.17 KiB "
+            r"\(1200 bytes\) for this strategy, or use the \"optimal\" strategy, which needs "
+            r"700 B\.$"
         ),
     ) as info:
         none(chain, 900)
@@ -51,8 +52,8 @@ def test_fixed_strategies_raise_when_their_plan_exceeds_the_budget() -> None:
         InfeasibleBudgetError,
         match=(
             r"^sqrt: budget 600 B is below the least peak any plan reaches, 700 B\. Received: "
-            r"budget='600B' \(of type str\)\. Raise the budget to at least 800 bytes for this "
-            r"strategy, or use the \"optimal\" strategy, which needs 700 bytes, or reduce the "
+            r"budget='600B' \(of type str\)\. Raise the budget to at least 800 B for this "
+            r"strategy, or use the \"optimal\" strategy, which needs 700 B, or reduce the "
             r"batch size\.$"
         ),
     ) as info:
@@ -181,8 +182,8 @@ def test_heuristic_infeasible_message() -> None:
         InfeasibleBudgetError,
         match=(
             r"^heuristic: budget 100 B is below the least peak any plan reaches, 700 B\. "
-            r"Received: budget=100 \(of type int\)\. Raise the budget to at least 800 bytes "
-            r"for this strategy, or use the \"optimal\" strategy, which needs 700 bytes, or "
+            r"Received: budget=100 \(of type int\)\. Raise the budget to at least 800 B "
+            r"for this strategy, or use the \"optimal\" strategy, which needs 700 B, or "
             r"reduce the batch size\.$"
         ),
     ) as info:

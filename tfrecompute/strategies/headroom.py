@@ -12,7 +12,7 @@ from tfrecompute._messages import fail, received
 from tfrecompute.errors import InfeasibleBudgetError
 from tfrecompute.strategies.chain import Chain
 from tfrecompute.strategies.plan import Plan
-from tfrecompute.strategies.units import budget_bytes, format_bytes
+from tfrecompute.strategies.units import budget_bytes, format_size
 
 __all__ = ["DEFAULT_HEADROOM", "check_headroom", "plan_within"]
 
@@ -89,11 +89,11 @@ def plan_within(
     except InfeasibleBudgetError as error:
         least = math.ceil(error.minimum / (1 - share))
         message = (
-            f"{api}: the plan must fit in {format_bytes(max(planned, 1))}, the budget "
-            f"{format_bytes(total)} less {float(share) * 100:.3g}% headroom for the allocator, but "
-            f"the least predicted peak the strategy reaches is {format_bytes(error.minimum)}. "
-            f"{received('budget', budget)}, headroom={headroom!r}. Raise the "
-            f"budget to at least {least} bytes, lower the headroom, or reduce the batch size."
+            f"{api}: the plan must fit in {format_size(max(planned, 1))}, the budget "
+            f"{format_size(total)} less {float(share) * 100:.3g}% headroom for the allocator, "
+            f"but the least predicted peak the strategy reaches is {format_size(error.minimum)}. "
+            f"{received('budget', budget)}, headroom={headroom!r}. Raise the budget to at "
+            f"least {format_size(least)}, lower the headroom, or reduce the batch size."
         )
         raise InfeasibleBudgetError(message, budget=total, minimum=least) from None
 

@@ -10,10 +10,10 @@ from typing import Protocol
 
 from tfrecompute._messages import fail, received
 from tfrecompute.errors import InfeasibleBudgetError
-from tfrecompute.strategies._table import table
+from tfrecompute.strategies._table import free_width, span_name, table
 from tfrecompute.strategies.chain import Chain
 from tfrecompute.strategies.simulate import MemoryEvent, check_segments, estimate, timeline
-from tfrecompute.strategies.units import format_bytes
+from tfrecompute.strategies.units import format_bytes, format_size
 
 __all__ = ["Budget", "Plan", "Strategy", "infeasible"]
 
@@ -166,8 +166,11 @@ proven_optimal=False)
         the carries it hands on (`Chain.carried_bytes`).
 
         Args:
-            all_names: list the name of every link of a row; by default a row
-                of three or more links names its first and last.
+            all_names: list the name of every link of a row. By default the
+                table fits 100 columns: a row of more than two layer calls
+                (a link merged from calls joins their names with "+") is
+                named by its first and last call and a count, and long names
+                are cut in the middle.
 
         Returns:
             The table, then the predicted peak and the recompute overhead.
@@ -195,18 +198,13 @@ proven_optimal=False)
                 error=TypeError,
             )
         chain = self.chain
-        rows: list[tuple[str, str, str, str, str]] = []
-        for s, e, recomputed in _runs(chain.n, self.segments):
-            span = str(s) if e - s == 1 else f"{s}-{e - 1}"
-            names = ", ".join(chain.names[s:e]) if all_names else _abbreviate(chain.names[s:e])
-            if recomputed:  # its output and the carries it hands on
-                held = chain.output_bytes[e - 1] + chain.carried_bytes(s, e)
-                cost = _number(math.fsum(chain.forward_cost[s:e]))
-                rows.append((span, names, "recomputed", format_bytes(held), cost))
-            else:
-                held = sum(chain.saved_bytes[s:e])
-                rows.append((span, names, "stored", format_bytes(held), "-"))
+        runs = _runs(chain.n, self.segments)
         header = ("links", "names", "mode", "held", "recompute cost")
+        rows = [self._row(s, e, recomputed) for s, e, recomputed in runs]
+        width = None if all_names else free_width(header, rows, 1)
+        for row, (s, e, _) in zip(rows, runs):
+            names = chain.names[s:e]
+            row[1] = ", ".join(names) if width is None else span_name(names, width)
         total = chain.total_forward_cost
         share = 100.0 * self.recompute_cost / total if total > 0 else 0.0
         proof = " (proven optimal)" if self.proven_optimal else ""
@@ -214,11 +212,21 @@ proven_optimal=False)
             [
                 f"Plan {self.strategy!r} for a chain of {chain.n} links{proof}",
                 table(header, rows),
-                f"Predicted peak: {format_bytes(self.peak_bytes)} ({self.peak_bytes} bytes)",
+                f"Predicted peak: {format_size(self.peak_bytes)}",
                 f"Recompute cost: {_number(self.recompute_cost)} = {share:.1f}% of one forward "
                 f"pass (total forward cost {_number(total)})",
             ]
         )
+
+    def _row(self, s: int, e: int, recomputed: bool) -> list[str]:
+        """A row of `summary` for links `s..e-1`, its names left empty."""
+        chain = self.chain
+        span = str(s) if e - s == 1 else f"{s}-{e - 1}"
+        if recomputed:  # its output and the carries it hands on
+            held = chain.output_bytes[e - 1] + chain.carried_bytes(s, e)
+            cost = _number(math.fsum(chain.forward_cost[s:e]))
+            return [span, "", "recomputed", format_bytes(held), cost]
+        return [span, "", "stored", format_bytes(sum(chain.saved_bytes[s:e])), "-"]
 
 
 def _runs(n: int, segments: tuple[tuple[int, int], ...]) -> list[tuple[int, int, bool]]:
@@ -235,14 +243,6 @@ def _runs(n: int, segments: tuple[tuple[int, int], ...]) -> list[tuple[int, int,
     return runs
 
 
-def _abbreviate(names: Sequence[str]) -> str:
-    if len(names) == 1:
-        return names[0]
-    if len(names) == 2:
-        return f"{names[0]}, {names[1]}"
-    return f"{names[0]} … {names[-1]} ({len(names)} links)"
-
-
 def _number(value: float) -> str:
     return format(value, ".4g")
 
@@ -256,20 +256,19 @@ def infeasible(
     """
     if budget < least:
         what = (
-            f"budget {format_bytes(budget)} is below the least peak any plan reaches, "
-            f"{format_bytes(least)}"
+            f"budget {format_size(budget)} is below the least peak any plan reaches, "
+            f"{format_size(least)}"
         )
     else:
         what = (
-            f"the plan's predicted peak {format_bytes(own)} exceeds the budget "
-            f"{format_bytes(budget)}"
+            f"the plan's predicted peak {format_size(own)} exceeds the budget {format_size(budget)}"
         )
     if own == least:
-        fix = f"Raise the budget to at least {least} bytes, or reduce the batch size"
+        fix = f"Raise the budget to at least {format_size(least)}, or reduce the batch size"
     else:
         fix = (
-            f"Raise the budget to at least {own} bytes for this strategy, or use the "
-            f'"optimal" strategy, which needs {least} bytes'
+            f"Raise the budget to at least {format_size(own)} for this strategy, or use the "
+            f'"optimal" strategy, which needs {format_size(least)}'
         )
         if budget < least:
             fix += ", or reduce the batch size"
