@@ -6,19 +6,23 @@ init here; `from_preset` loads real weights the same way), lets
 training step fits the budget, and trains both models from the same weights
 to show the memory each step took and that they trained alike.
 
-    python examples/bert_finetune.py --budget 48MiB
+    python examples/bert_finetune.py --budget 128MiB  # --verbose shows TensorFlow's logs
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
-import keras_hub
-import numpy as np
-
-import keras
 import tfrecompute
+
+# Before keras imports TensorFlow: hide its start-up logs unless --verbose.
+tfrecompute.quiet_tensorflow(verbose="--verbose" in sys.argv)
+
+import keras  # noqa: E402
+import keras_hub  # noqa: E402
+import numpy as np  # noqa: E402
 
 
 def build(args: argparse.Namespace) -> keras.Model:
@@ -62,8 +66,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--sequence", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--budget", default="48MiB", help="the most memory a step may take")
+    parser.add_argument("--budget", default="128MiB", help="the most memory a step may take")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--verbose", action="store_true", help="show TensorFlow's start-up logs")
     args = parser.parse_args(argv)
     x, y = batch(args)
 

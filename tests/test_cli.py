@@ -13,6 +13,7 @@ import keras
 import pytest
 
 import tfrecompute  # noqa: F401  (registers RecomputeBlock)
+from tests import any_models
 from tfrecompute.cli import main
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -68,12 +69,21 @@ def models(tmp_path_factory) -> dict[str, str]:
     paths = {}
     saved = [("mlp", mlp), ("residual", residual), ("subclassed", subclassed)]
     saved += [("compiled", compiled), ("convnext", _convnext_like())]
+    saved += [("bert", any_models.bert(layers=1, hidden=16, sequence=8, batch=2)[0])]
     for name, model in saved:
         paths[name] = str(folder / f"{name}.keras")
         model.save(paths[name])
     paths["garbage"] = str(folder / "garbage.keras")
     pathlib.Path(paths["garbage"]).write_bytes(b"not a zip file")
     return paths
+
+
+def test_dim_fixes_a_backbones_unknown_dimensions(models, capsys):
+    assert main(["plan", models["bert"], "--batch-size", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "has shape (None, None)" in err and "Pass --dim N" in err
+    assert main(["plan", models["bert"], "--batch-size", "2", "--dim", "16"]) == 0
+    assert "Plan 'optimal'" in capsys.readouterr().out
 
 
 def _is_png(path: pathlib.Path) -> bool:
@@ -205,8 +215,8 @@ def test_timeline_plot(models, capsys, tmp_path):
     assert code == 0
     # A table of both plans' peaks (it was a sentence per plan, too wide for 100 columns).
     rows = {line.split()[0]: line for line in out.splitlines()[2:4]}
-    assert set(rows) == {"none", "sqrt"} and "of link" in rows["sqrt"]
-    assert "sqrt uses" in out and "of the peak of none" in out
+    assert set(rows) == {"none", "optimal"} and "of link" in rows["optimal"]
+    assert "optimal uses" in out and "of the peak of none" in out
     assert _is_png(png)
 
 
@@ -393,7 +403,7 @@ def test_a_command_prints_no_tensorflow_start_up_logs(models):
         env={**env, "PYTHONPATH": str(root)},
     )
     assert quiet.returncode == 0, quiet.stderr[-2000:]
-    assert "Plan 'sqrt'" in quiet.stdout
+    assert "Plan 'optimal'" in quiet.stdout
     assert quiet.stderr == ""  # no absl, oneDNN, cuda or cuInit lines, no Keras warnings
 
 

@@ -63,3 +63,14 @@ def test_functional_rewrite(capsys):
     assert "checkpointed" in out and "of the memory" in out
     taken = int(out.split("the checkpointed step took ")[1].split("%")[0])
     assert 0 < taken <= 100  # the headroom keeps the measured peak under the budget
+
+
+def test_bert_finetune(capsys):
+    args = ["--layers", "4", "--hidden", "64", "--sequence", "64", "--batch-size", "8"]
+    _load("bert_finetune").main([*args, "--budget", "12MiB", "--steps", "2"])
+    out = capsys.readouterr().out
+    assert "Plan 'optimal'" in out and "recomputed" in out
+    taken = int(out.split("MiB, ")[1].split("%")[0])
+    assert 0 < taken <= 100  # the plan's measured step fits its budget
+    difference = float(out.split("largest weight difference after 2 steps: ")[1].split()[0])
+    assert difference < 1e-5  # the two models trained alike

@@ -4,9 +4,11 @@
 `tfrecompute.strategies`, the exception types and `quiet_tensorflow`. The
 TensorFlow parts (`RecomputeBlock`, `profile`, `plan`, `recompute`,
 `measure_step`, ...) are imported the first time one of them is used, all
-together, which also registers `RecomputeBlock` for Keras serialization: load
-a saved model with blocks after `from tfrecompute import RecomputeBlock` (or
-after any other use of the TensorFlow parts). Where TensorFlow is not
+together, which also registers `RecomputeBlock` for Keras serialization. When
+Keras is imported before `tfrecompute` (as in most scripts), they are imported
+with the package; otherwise load a saved model with blocks after
+`from tfrecompute import RecomputeBlock` (or any other use of the TensorFlow
+parts). Where TensorFlow is not
 installed they are absent from `__all__`, and using one raises the
 `ImportError` of TensorFlow.
 
@@ -23,6 +25,7 @@ and `cli` on top.
 from __future__ import annotations
 
 import importlib.util
+import sys
 from typing import Any
 
 from tfrecompute import strategies
@@ -97,3 +100,10 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
+
+
+if sys.modules.get("keras") is not None and sys.modules.get("tensorflow") is not None:
+    # Keras is loaded already (a script imports it first), so the TensorFlow
+    # parts cost nothing more to import now, and `keras.models.load_model`
+    # then finds `RecomputeBlock` after a plain `import tfrecompute`.
+    globals().update(_import_tensorflow_parts())

@@ -93,16 +93,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     def model_command(name: str, help_text: str) -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=help_text, description=help_text)
-        sub.add_argument("model", metavar="MODEL.keras", help="a model saved with model.save()")
-        sub.add_argument(
-            "--batch-size", type=_positive_int, required=True, help="the training batch size"
-        )
-        sub.add_argument(
-            "-v",
-            "--verbose",
-            action="store_true",
-            help="show TensorFlow's start-up logs (hidden by default)",
-        )
+        _model_options(sub)
         return sub
 
     def strategy_options(sub: argparse.ArgumentParser, default: str) -> None:
@@ -124,7 +115,7 @@ def _build_parser() -> argparse.ArgumentParser:
         )
 
     plan = model_command("plan", "Print the recompute plan of a model.")
-    strategy_options(plan, "sqrt")
+    strategy_options(plan, "optimal")
     all_names(plan)
 
     profile = model_command("profile", "Print the per-link memory and compute costs of a model.")
@@ -139,11 +130,31 @@ def _build_parser() -> argparse.ArgumentParser:
     timeline = model_command(
         "timeline", "Print (and plot) predicted live memory over one training step."
     )
-    strategy_options(timeline, "sqrt")
+    strategy_options(timeline, "optimal")
     all_names(timeline)
     timeline.add_argument("--plot", metavar="OUT.png", help="write the timeline to a PNG file")
 
     return parser
+
+
+def _model_options(sub: argparse.ArgumentParser) -> None:
+    """The options of every command that reads a saved model."""
+    sub.add_argument("model", metavar="MODEL.keras", help="a model saved with model.save()")
+    sub.add_argument(
+        "--batch-size", type=_positive_int, required=True, help="the training batch size"
+    )
+    sub.add_argument(
+        "--dim",
+        type=_positive_int,
+        help="the size of every input dimension the model leaves unknown, e.g. the "
+        "sequence length of a keras-hub backbone's (None, None) token ids",
+    )
+    sub.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="show TensorFlow's start-up logs (hidden by default)",
+    )
 
 
 def _budget(command: str, text: str | None) -> int | None:
@@ -265,7 +276,8 @@ def _library_errors() -> Iterator[None]:
     try:
         yield
     except (InfeasibleBudgetError, TypeError, ValueError) as error:
-        raise CliError(str(error)) from None
+        text = str(error).replace("Pass sample=<", "Pass --dim N (or, in Python, sample=<")
+        raise CliError(text) from None
 
 
 def _progress_bar(done: int, total: int, *, width: int = 30) -> str:
@@ -277,11 +289,27 @@ def _progress_bar(done: int, total: int, *, width: int = 30) -> str:
     )
 
 
+def _sample(model: Any, batch_size: int, dim: int | None) -> Any:
+    """Zeros in the shapes of the model's inputs, unknown dimensions `dim` (None: no sample)."""
+    if dim is None or not getattr(model, "inputs", None):
+        return None
+    import keras
+    import numpy as np
+
+    def zeros(tensor: Any) -> Any:
+        shape = [batch_size, *(dim if d is None else d for d in tuple(tensor.shape)[1:])]
+        return np.zeros(shape, keras.backend.standardize_dtype(tensor.dtype))
+
+    declared = model.inputs[0] if isinstance(model, keras.Sequential) else model.input
+    return keras.tree.map_structure(zeros, declared)
+
+
 def _profile(
     model: Any,
     batch_size: int,
     *,
     optimizer: Any = None,
+    dim: int | None = None,
     progress: TextIO | None = None,
 ) -> strategies.Chain:
     """`tfrecompute.profile`, with a progress bar of analysed layer calls on `progress`.
@@ -291,8 +319,9 @@ def _profile(
     """
     import tfrecompute
 
+    sample = _sample(model, batch_size, dim)
     if progress is None:
-        return tfrecompute.profile(model, batch_size, optimizer=optimizer)
+        return tfrecompute.profile(model, batch_size, sample=sample, optimizer=optimizer)
     interactive = progress.isatty()
     start = time.perf_counter()
     counted = {"total": 0}
@@ -303,7 +332,9 @@ def _profile(
             progress.write(f"\r{_progress_bar(done, total)}")
             progress.flush()
 
-    chain = tfrecompute.profile(model, batch_size, optimizer=optimizer, progress=report)
+    chain = tfrecompute.profile(
+        model, batch_size, sample=sample, optimizer=optimizer, progress=report
+    )
     summary = f"profiled {counted['total']} layer calls in {time.perf_counter() - start:.1f} s"
     if interactive:  # overwrite the whole bar
         summary = "\r" + summary.ljust(len(_progress_bar(counted["total"], counted["total"])))
@@ -323,6 +354,7 @@ def _chain(
             loaded.model,
             args.batch_size,
             optimizer=loaded.optimizer,
+            dim=args.dim,
             progress=sys.stderr if progress else None,
         )
     return loaded.model, chain

@@ -88,10 +88,10 @@ def _default_strategy(where: Any) -> strategies.Strategy:
 
 
 def _warn_if_it_saves_nothing(api: str, plan: strategies.Plan) -> None:
-    """Warns when the default plan's predicted peak is not below storing everything."""
+    """Warns when no plan's predicted peak is below storing everything."""
     chain = plan.chain
     stored = strategies.none(chain).peak_bytes
-    if plan.peak_bytes < stored:
+    if plan.peak_bytes < stored or strategies.min_peak(chain) < stored:
         return
     largest = max(range(chain.n), key=lambda i: chain.saved_bytes[i])
     share = chain.saved_bytes[largest] / max(sum(chain.saved_bytes), 1)
