@@ -1,0 +1,23 @@
+"""`benchmarks/any_model.py --smoke`: keras-hub and subclassed models, memory and time."""
+
+from __future__ import annotations
+
+from tests.helpers import run_benchmark_smoke
+
+
+def test_smoke_run_writes_every_variant_of_every_model(tmp_path):
+    report, table = run_benchmark_smoke("any_model", tmp_path)
+    models = set(report["sizes"])
+    assert models == {"bert", "loop_transformer"}
+    assert {(r["model"], r["variant"]) for r in report["memory"]} == {
+        (m, v) for m in models for v in ("none", "default", "sqrt")
+    }
+    for row in report["memory"]:
+        assert row["peak_bytes"] > 0 and row["predicted_bytes"] > 0
+        if row["variant"] != "none":
+            assert row["segments"] > 0
+    in_place = {r["model"]: r["same_object"] for r in report["memory"] if r["variant"] == "sqrt"}
+    assert in_place == {"bert": False, "loop_transformer": True}  # subclassed: in place
+    for row in report["time"]:
+        assert row["cpu_time_ratio"] > 0 and row["wall_time_ratio"] > 0
+    assert "| bert |" in table and "x CPU" in table
