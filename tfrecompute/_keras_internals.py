@@ -19,23 +19,33 @@ import tensorflow as tf
 from keras.src.backend.common import global_state
 from keras.src.layers.layer import CallContext
 from tensorflow.python import pywrap_tfe
-from tensorflow.python.eager import record
+from tensorflow.python.eager import context, record
+from tensorflow.python.framework import op_callbacks
+from tensorflow.python.ops import gradients_util
 from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
 __all__ = [
+    "VariableWatcher",
     "call_context",
     "call_has_mask_arg",
     "call_has_training_arg",
     "compute_output_spec",
+    "device_scope",
     "direct_sublayers",
+    "eager_function_def",
     "forward_accumulator_active",
     "functional_inputs",
     "functional_nodes",
     "get_keras_mask",
+    "graph_gradients",
+    "identity_n_gradient",
+    "in_control_flow_body",
     "inbound_nodes",
     "is_functional",
     "keras_history_operation",
+    "op_callback",
     "own_variables",
+    "record_operation",
     "set_keras_mask",
     "set_mask_metadata",
     "should_record_backprop",
@@ -75,6 +85,113 @@ def should_record_backprop(tensors: list[tf.Tensor]) -> bool:
 
 stop_recording = record.stop_recording
 """Context manager: no tape or accumulator records the ops run inside."""
+
+VariableWatcher = record.VariableWatcher
+"""Context manager: `.watched_variables()` are the trainable variables read inside."""
+
+
+def record_operation(
+    op_type: str, outputs: list[tf.Tensor], inputs: list[tf.Tensor], backward: Any
+) -> None:
+    """Records `outputs = op(inputs)` on every tape that watches an input.
+
+    `backward(*output_grads)` returns one gradient (or None) per input. This
+    is what `tf.custom_gradient` does; recording directly lets a block choose
+    its inputs after its forward ran (the tensors it turned out to capture).
+    """
+    record.record_operation(op_type, outputs, inputs, backward)
+
+
+# ----------------------------------------------------------- graph gradients
+# `tf.custom_gradient` registers each graph-mode gradient function in TF's
+# global gradient registry under a fresh name, where it stays for the life of
+# the process with everything its closure holds. An op's own
+# `_gradient_function` (what `tf.function` call ops use) lives as long as the
+# op's graph.
+
+
+@contextlib.contextmanager
+def identity_n_gradient(graph: tf.Graph, gradient: Any) -> Iterator[None]:
+    """`IdentityN` ops created inside get `gradient(op, *grads)` as their gradient function."""
+    with graph._override_gradient_function({"IdentityN": gradient}):
+        yield
+
+
+def graph_gradients(
+    targets: list[tf.Tensor],
+    sources: list[Any],
+    output_gradients: list[tf.Tensor],
+    unconnected: tf.UnconnectedGradients,
+    graph: tf.Graph,
+) -> list[Any]:
+    """Symbolic gradients through the ops of `graph`, built from any graph.
+
+    What `tf.while_loop` and `tf.cond` use to differentiate a body from the
+    graph of their gradient (`tf.gradients` only differentiates the default
+    graph). A tape kept with the graph instead would be a reference cycle
+    through C++ that Python cannot collect.
+    """
+    return list(
+        gradients_util._GradientsHelper(
+            targets,
+            sources,
+            grad_ys=output_gradients,
+            unconnected_gradients=unconnected,
+            src_graph=graph,
+        )
+    )
+
+
+def in_control_flow_body() -> bool:
+    """Whether ops are being built in the body of a `tf.while_loop` or `tf.cond` branch.
+
+    No tape records the ops of such a body: the loop's gradient is built
+    symbolically, so `should_record_backprop` cannot tell whether a gradient
+    will reach a tensor there.
+    """
+    graph = tf.compat.v1.get_default_graph()
+    return bool(getattr(graph, "is_control_flow_graph", False))
+
+
+def device_scope() -> str:
+    """The device the enclosing `tf.device` scopes request for new ops ("" for none).
+
+    Eagerly TensorFlow keeps it in the context; in a graph it is a stack of
+    device functions, resolved here the way TensorFlow resolves it for an op.
+    """
+    if tf.executing_eagerly():
+        return context.context().device_name or ""
+    graph = tf.compat.v1.get_default_graph()
+    if not graph._device_function_stack.peek_objs():
+        return ""
+    with stop_recording():
+        return tf.no_op(name="device_probe").device
+
+
+# ------------------------------------------------------------ eager ops
+# Eagerly there is no graph to inspect: the ops a forward runs are seen only
+# as they run. TensorFlow's op callbacks (what `tf.debugging.
+# enable_check_numerics` uses) are thread-local and receive every op's
+# inputs and outputs.
+
+
+@contextlib.contextmanager
+def op_callback(callback: Any) -> Iterator[None]:
+    """Calls `callback(op_type, inputs, attrs, outputs, op_name=None, graph=None)` per op."""
+    op_callbacks.add_op_callback(callback)
+    try:
+        yield
+    finally:
+        op_callbacks.remove_op_callback(callback)
+
+
+def eager_function_def(name: str) -> Any:
+    """The `FunctionDef` of a function the eager context knows by `name`, or None."""
+    ctx = context.context()
+    if not ctx.has_function(name):
+        return None
+    return ctx.get_function_def(name)
+
 
 # ------------------------------------------------------------ Keras calls
 # A block's recompute runs during backprop, outside the call of the model that

@@ -16,18 +16,16 @@ from tfrecompute._keras_internals import (
     compute_output_spec,
     forward_accumulator_active,
     get_keras_mask,
+    in_control_flow_body,
     set_mask_metadata,
     should_record_backprop,
-    stop_recording,
     tape_is_recording,
 )
 from tfrecompute._messages import as_bool, describe, fail, received
 from tfrecompute.errors import NonReplayableRandomnessError
-from tfrecompute.layers.custom_gradient import recompute_grad
 from tfrecompute.layers.debug import debug_enabled
 from tfrecompute.layers.dtypes import block_dtype_findings
-from tfrecompute.layers.frame import RecomputeFrame, is_float_tensor
-from tfrecompute.layers.randomness import find_stateful_random_ops
+from tfrecompute.layers.frame import RecomputeFrame, in_block_forward, is_float_tensor
 from tfrecompute.layers.state import RecordingStatelessScope
 
 __all__ = ["RecomputeBlock"]
@@ -166,7 +164,6 @@ class RecomputeBlock(keras.layers.Layer):
         # layers compute to its outputs; each inner layer warns for itself
         # when it drops a mask.
         self.supports_masking = True
-        self._randomness_checked = False
         self._warned_pointless = False
         self._build_error: Exception | None = None
 
@@ -259,7 +256,12 @@ class RecomputeBlock(keras.layers.Layer):
         return outputs
 
     def call(
-        self, inputs: Any, *args: Any, training: Any = None, mask: Any = None, **kwargs: Any
+        self,
+        inputs: Any,
+        *args: Any,
+        training: Any = None,
+        mask: Any = None,
+        **kwargs: Any,
     ) -> Any:
         if (args or kwargs) and not self._single:
             raise TypeError(
@@ -272,42 +274,64 @@ class RecomputeBlock(keras.layers.Layer):
         _check_training(self.name, training)
         if not self._inner_built():
             self._build_inner_like(inputs, args, kwargs)
-        # NOTE [ Nested blocks ]
-        # A block inside another block's forward sees recording stopped (the
-        # enclosing forward runs under `stop_recording()`) and is a plain
-        # call. In the enclosing block's recompute a tape records, so the inner
-        # block checkpoints, and recomputes once more when that recompute
-        # backprops through it. So per training step a layer at nesting depth d
-        # (1 directly inside a block) runs d + 1 times: the forward, plus one
-        # run per enclosing recompute; an inner block never runs more than once
-        # per recompute of the block around it. This is what nesting is for:
-        # an inner block that kept its activations during the enclosing
-        # recompute would save nothing there.
-        if training is None or training is False or not tape_is_recording():
+        if not self._may_recompute(inputs, args, kwargs, training):
             return self._run_inner(inputs, *args, training=training, mask=mask, **kwargs)
-        flat_call_args = keras.tree.flatten((inputs, args, kwargs))
-        tensors = [v for v in flat_call_args if tf.is_tensor(v)]
+        frame = RecomputeFrame(
+            self,
+            (inputs, args, kwargs),
+            training=training,
+            mask=mask,
+            weights=self._weights(),
+            state_variables=self._state_variables(),
+            debug=self.debug or debug_enabled(),
+        )
+        if frame.weights or in_control_flow_body() or should_record_backprop(frame.own_sources()):
+            # A loop body or cond branch is not recorded by any tape: whether a
+            # gradient reaches the block there is known only once the loop's
+            # gradient is built, so the block checkpoints.
+            return self._recomputed_call(frame)
+        # No weights, and no tape watches the inputs or the state's values: the
+        # tapes record nothing here, so a recompute would only cost time.
+        outputs = self._run_inner(inputs, *args, training=training, mask=mask, **kwargs)
+        floats = [o for o in keras.tree.flatten(outputs) if is_float_tensor(o)]
+        if not should_record_backprop(floats):  # else it read a watched tensor it captured
+            self._warn_pointless()
+        return outputs
+
+    def _may_recompute(
+        self, inputs: Any, args: tuple[Any, ...], kwargs: dict[str, Any], training: Any
+    ) -> bool:
+        """Whether this call may checkpoint; if not, it is a plain call of the layers."""
+        # NOTE [ Nested blocks ]
+        # A block inside another block's forward is a plain call (the
+        # enclosing forward keeps nothing for backprop anyway). In the
+        # enclosing block's recompute a tape records, so the inner block
+        # checkpoints, and recomputes once more when that recompute
+        # backprops through it. So per training step a layer at nesting
+        # depth d (1 directly inside a block) runs d + 1 times: the forward,
+        # plus one run per enclosing recompute; an inner block never runs
+        # more than once per recompute of the block around it. This is what
+        # nesting is for: an inner block that kept its activations during the
+        # enclosing recompute would save nothing there.
+        if training is None or training is False or not tape_is_recording():
+            return False
+        if in_block_forward():
+            return False
+        tensors = [v for v in keras.tree.flatten((inputs, args, kwargs)) if tf.is_tensor(v)]
         if tensors and forward_accumulator_active(tensors[0]):
             # NOTE [ Forward-mode autodiff ]
-            # A `tf.autodiff.ForwardAccumulator` gets the JVP of a custom
-            # gradient by transposing its gradient function. That fails for a
-            # gradient function that recomputes: `tf.recompute_grad` raises
-            # "recompute_grad tried to transpose grad of ...", and the one in
-            # `custom_gradient.py`, which recomputes under a local tape, gets no JVP
-            # eagerly and a wrong one in a graph (measured, TensorFlow 2.21).
-            # Forward mode keeps no activations, so there is nothing to save:
-            # the block runs its layers plainly under an accumulator. The JVPs
-            # are then exact, and so is the gradient of a GradientTape inside
-            # the accumulator (forward-over-backward), without recompute.
-            return self._run_inner(inputs, *args, training=training, mask=mask, **kwargs)
-        if not self.trainable_variables and not should_record_backprop(
-            [t for t in tensors if is_float_tensor(t)]
-        ):
-            # Nothing inside needs a gradient and no tape watches the inputs:
-            # the tape records nothing here, so a recompute would only cost time.
-            self._warn_pointless()
-            return self._run_inner(inputs, *args, training=training, mask=mask, **kwargs)
-        return self._recomputed_call(inputs, args, kwargs, training, mask)
+            # A `tf.autodiff.ForwardAccumulator` gets the JVP of a recorded
+            # operation by transposing its gradient function. That fails for
+            # a gradient function that recomputes: `tf.recompute_grad`
+            # raises "recompute_grad tried to transpose grad of ...", and one
+            # that recomputes under a local tape gets no JVP eagerly and a
+            # wrong one in a graph (measured, TensorFlow 2.21). Forward mode
+            # keeps no activations, so there is nothing to save: the block
+            # runs its layers plainly under an accumulator. The JVPs are then
+            # exact, and so is the gradient of a GradientTape inside the
+            # accumulator (forward-over-backward), without recompute.
+            return False
+        return True
 
     def _warn_pointless(self) -> None:
         if self._warned_pointless:
@@ -321,46 +345,37 @@ class RecomputeBlock(keras.layers.Layer):
             stacklevel=2,
         )
 
-    def _state_variables(self) -> list[Any]:
-        """Variables whose values a recompute must replay (not differentiated).
-
-        A frozen layer's (`trainable=False`) weights are among them: read from
-        the snapshot, they get no gradient, as Keras intends for frozen layers.
-        """
+    def _unique(self, attribute: str) -> list[Any]:
+        """`layer.<attribute>` of the wrapped layers, each variable once."""
         seen: set[int] = set()
-        state = []
+        found = []
         for layer in self.inner:
-            for variable in layer.non_trainable_variables:
+            for variable in getattr(layer, attribute):
                 if id(variable) not in seen:
                     seen.add(id(variable))
-                    state.append(variable)
-        return state
+                    found.append(variable)
+        return found
 
-    def _recomputed_call(
-        self,
-        inputs: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        training: Any,
-        mask: Any,
-    ) -> Any:
-        frame = RecomputeFrame(
-            self,
-            (inputs, args, kwargs),
-            training=training,
-            mask=mask,
-            state_variables=self._state_variables(),
-            debug=self.debug or debug_enabled(),
-        )
-        if not self._randomness_checked and tf.executing_eagerly():
-            self._check_randomness_eagerly(frame)
-        results = recompute_grad(frame.run)(*frame.float_inputs)
-        forward = frame.forward
-        assert forward is not None and forward.scope is not None
-        if forward.operations:
-            self._check_randomness(tf.compat.v1.get_default_graph(), forward.operations)
+    def _weights(self) -> list[Any]:
+        """The trainable variables of the wrapped layers: the block's weights."""
+        return self._unique("trainable_variables")
+
+    def _state_variables(self) -> list[Any]:
+        """The other variables, whose values a recompute must replay.
+
+        A frozen layer's (`trainable=False`) weights are among them: read from
+        the snapshot, they get a gradient only where a tape watches them
+        explicitly, as the layers unwrapped.
+        """
+        return self._unique("non_trainable_variables")
+
+    def _recomputed_call(self, frame: RecomputeFrame) -> Any:
+        forward = frame.run()
+        if forward.random_ops:
+            self._reject_randomness(forward.random_ops)
+        assert forward.scope is not None
         self._commit_state(forward.scope, frame.state_variables)
-        outputs, losses = frame.pack(results)
+        outputs, losses = frame.pack()
         for loss in losses:
             self.add_loss(loss)
         return outputs
@@ -391,30 +406,15 @@ class RecomputeBlock(keras.layers.Layer):
 
     # ------------------------------------------------------------ randomness
 
-    def _check_randomness_eagerly(self, frame: RecomputeFrame) -> None:
-        """Eager mode has no graph to inspect: traces the frame's forward once to check it."""
-
-        def forward(*values: tf.Tensor) -> list[tf.Tensor]:
-            return frame.differentiable(*frame.execute(values))
-
-        traced = tf.function(forward, autograph=False)
-        specs = [tf.TensorSpec(t.shape, t.dtype) for t in frame.float_inputs]
-        with stop_recording():  # nothing to differentiate: blocks inside run plainly
-            graph = traced.get_concrete_function(*specs).graph
-        self._check_randomness(graph, graph.get_operations())
-
-    def _check_randomness(self, graph: tf.Graph, operations: Sequence[tf.Operation]) -> None:
-        self._randomness_checked = True
-        found = find_stateful_random_ops(graph, operations)
-        if found:
-            raise NonReplayableRandomnessError(
-                f"RecomputeBlock '{self.name}': the wrapped layers use stateful TensorFlow "
-                f"random ops, which the recompute cannot replay: {', '.join(found[:5])}"
-                f"{' ...' if len(found) > 5 else ''}. Their gradients would be silently "
-                "wrong. Draw random numbers with `keras.random.*(..., seed=<a "
-                "keras.random.SeedGenerator owned by the layer>)` or TensorFlow's "
-                "stateless ops (`tf.random.stateless_*`), or keep that layer out of the block."
-            )
+    def _reject_randomness(self, found: list[str]) -> None:
+        raise NonReplayableRandomnessError(
+            f"RecomputeBlock '{self.name}': the wrapped layers use stateful TensorFlow "
+            f"random ops, which the recompute cannot replay: {', '.join(found[:5])}"
+            f"{' ...' if len(found) > 5 else ''}. Their gradients would be silently "
+            "wrong. Draw random numbers with `keras.random.*(..., seed=<a "
+            "keras.random.SeedGenerator owned by the layer>)` or TensorFlow's "
+            "stateless ops (`tf.random.stateless_*`), or keep that layer out of the block."
+        )
 
     # ------------------------------------------------------------- shapes
 
