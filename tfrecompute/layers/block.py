@@ -48,6 +48,74 @@ def _check_training(name: str, training: Any) -> None:
     )
 
 
+# NOTE [ Extra call arguments ]
+# Keras binds `call(self, inputs, *args, **kwargs)` as two nested arguments,
+# `args` and `kwargs`, and rejects a nested argument that mixes tensors and
+# other values ("In a nested call() argument, you cannot mix tensors and
+# non-tensors"). So a single-layer block's `__call__` routes the extra
+# arguments into separate ones before Keras sees them: tensors (and what
+# Keras turns into tensors: numpy arrays and scalars) into `_tensor_kwargs`,
+# Python values and None into `_python_kwargs`, Python positional values into
+# `_python_args`. `call` puts them back as the caller passed them, so the
+# wrapped layer gets exactly the arguments it would get unwrapped.
+_ROUTED = ("_tensor_kwargs", "_python_kwargs", "_python_args")
+_KERAS_ARGUMENTS = ("training", "mask", *_ROUTED)
+
+
+def _is_tensor_like(value: Any) -> bool:
+    """A tensor, or what Keras converts to one (a numpy array or scalar)."""
+    symbolic = isinstance(value, keras.KerasTensor)
+    return tf.is_tensor(value) or symbolic or hasattr(value, "__array__")
+
+
+def _kind(value: Any) -> str:
+    """ "tensor", "python" or "mixed": how Keras will see a call argument."""
+    leaves = [leaf for leaf in keras.tree.flatten(value) if leaf is not None]
+    tensors = [leaf for leaf in leaves if _is_tensor_like(leaf)]
+    if not tensors:
+        return "python"
+    return "tensor" if len(tensors) == len(leaves) else "mixed"
+
+
+def _route(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Splits extra call arguments by kind (NOTE [ Extra call arguments ])."""
+    routed = {name: value for name, value in kwargs.items() if name in _KERAS_ARGUMENTS}
+    tensors, python = {}, {}
+    for name, value in kwargs.items():
+        if name in _KERAS_ARGUMENTS:
+            continue
+        kind = _kind(value)
+        if kind == "mixed":  # Keras rejects it unwrapped too: leave it to say so
+            routed[name] = value
+        else:
+            (tensors if kind == "tensor" else python)[name] = value
+    positional = [args[0]]
+    python_args = []
+    for index, value in enumerate(args[1:], start=1):
+        if _kind(value) == "python":
+            python_args.append([index, value])
+        else:
+            positional.append(value)
+    for name, value in zip(_ROUTED, (tensors, python, python_args)):
+        if value:
+            routed[name] = value
+    return tuple(positional), routed
+
+
+def _unroute(
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    tensor_kwargs: dict[str, Any] | None,
+    python_kwargs: dict[str, Any] | None,
+    python_args: list[Any] | None,
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The extra call arguments as the caller passed them."""
+    positional = list(args)
+    for index, value in python_args or []:
+        positional.insert(index - 1, value)
+    return tuple(positional), {**kwargs, **(tensor_kwargs or {}), **(python_kwargs or {})}
+
+
 def _instance_hint(value: Any, otherwise: str) -> str:
     """The fix for a layer argument: an instance instead of a class, else `otherwise`."""
     if isinstance(value, type) and issubclass(value, keras.layers.Layer):
@@ -178,6 +246,11 @@ class RecomputeBlock(keras.layers.Layer):
         """Returns what the block wraps: the single layer or model, or the list of layers."""
         return self.inner[0] if self._single else list(self.inner)
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._single and args and (len(args) > 1 or kwargs):
+            args, kwargs = _route(args, kwargs)
+        return super().__call__(*args, **kwargs)
+
     # ---------------------------------------------------------------- build
 
     def _inner_built(self) -> bool:
@@ -261,8 +334,12 @@ class RecomputeBlock(keras.layers.Layer):
         *args: Any,
         training: Any = None,
         mask: Any = None,
+        _tensor_kwargs: dict[str, Any] | None = None,
+        _python_kwargs: dict[str, Any] | None = None,
+        _python_args: list[Any] | None = None,
         **kwargs: Any,
     ) -> Any:
+        args, kwargs = _unroute(args, kwargs, _tensor_kwargs, _python_kwargs, _python_args)
         if (args or kwargs) and not self._single:
             raise TypeError(
                 f"RecomputeBlock '{self.name}': extra call arguments go to a single "
@@ -422,6 +499,8 @@ class RecomputeBlock(keras.layers.Layer):
         # Traced, not derived from compute_output_shape: the outputs have the
         # dtypes of the inner layers, not the block's own compute dtype.
         kwargs.pop("training", None)
+        routed = [kwargs.pop(name, None) for name in _ROUTED]
+        args, kwargs = _unroute(args, kwargs, *routed)
         return compute_output_spec(self._run_inner, inputs, *args, training=False, **kwargs)
 
     def compute_output_shape(self, input_shape: Any, *args: Any, **kwargs: Any) -> Any:
