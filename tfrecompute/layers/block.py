@@ -116,6 +116,11 @@ def _unroute(
     return tuple(positional), {**kwargs, **(tensor_kwargs or {}), **(python_kwargs or {})}
 
 
+def _shape_to_spec(shape: Any, dtype: Any) -> Any:
+    """A `KerasTensor` for a shape, None for a None leaf (an optional input left out)."""
+    return None if shape is None else keras.KerasTensor(shape, dtype=dtype)
+
+
 def _instance_hint(value: Any, otherwise: str) -> str:
     """The fix for a layer argument: an instance instead of a class, else `otherwise`."""
     if isinstance(value, type) and issubclass(value, keras.layers.Layer):
@@ -262,7 +267,7 @@ class RecomputeBlock(keras.layers.Layer):
         # must create their (distributed) variables.
         if not self._inner_built() and input_shape is not None and not args and not kwargs:
             specs = keras.tree.map_shape_structure(
-                lambda shape: keras.KerasTensor(shape, dtype=self.input_dtype), input_shape
+                lambda shape: _shape_to_spec(shape, self.input_dtype), input_shape
             )
             try:
                 compute_output_spec(self._run_inner, specs, training=False)
