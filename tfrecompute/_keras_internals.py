@@ -26,6 +26,7 @@ from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
 __all__ = [
     "VariableWatcher",
+    "backing_variable",
     "call_context",
     "call_has_mask_arg",
     "call_has_training_arg",
@@ -38,6 +39,7 @@ __all__ = [
     "functional_nodes",
     "get_keras_mask",
     "graph_gradients",
+    "gradient_override_name",
     "identity_n_gradient",
     "in_control_flow_body",
     "inbound_nodes",
@@ -123,23 +125,35 @@ def graph_gradients(
     output_gradients: list[tf.Tensor],
     unconnected: tf.UnconnectedGradients,
     graph: tf.Graph,
+    leaves: list[tf.Tensor],
 ) -> list[Any]:
-    """Symbolic gradients through the ops of `graph`, built from any graph.
+    """Symbolic gradients of `targets` at `sources`, through the ops of `graph` below `leaves`.
 
     What `tf.while_loop` and `tf.cond` use to differentiate a body from the
     graph of their gradient (`tf.gradients` only differentiates the default
     graph). A tape kept with the graph instead would be a reference cycle
-    through C++ that Python cannot collect.
+    through C++ that Python cannot collect. `leaves` are held constant, as a
+    tape's watched tensors are: a graph's total derivative would also run
+    through them into the ops that made them.
     """
     return list(
         gradients_util._GradientsHelper(
             targets,
             sources,
             grad_ys=output_gradients,
+            stop_gradients=leaves,
             unconnected_gradients=unconnected,
             src_graph=graph,
         )
     )
+
+
+def gradient_override_name(op: tf.Operation) -> str | None:
+    """The gradient an op was given by `gradient_override_map` (`tf.custom_gradient`), or None."""
+    try:
+        return op.get_attr("_gradient_op_type").decode()
+    except ValueError:
+        return None
 
 
 def in_control_flow_body() -> bool:
@@ -210,6 +224,11 @@ def call_context(entry_layer: keras.layers.Layer, training: Any) -> Iterator[Non
         yield
     finally:
         global_state.set_global_attribute("current_call_ctx", previous)
+
+
+def backing_variable(variable: Any) -> Any:
+    """The `tf.Variable` behind a Keras variable (what TensorFlow's tapes and watchers see)."""
+    return getattr(variable, "_value", variable)
 
 
 def call_has_training_arg(layer: Any) -> bool:

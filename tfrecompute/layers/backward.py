@@ -255,11 +255,10 @@ def _ordered(grads: list[Any], ordered: list[bool]) -> list[Any]:
     update reach a read in the block's backward, single or nested: freshly
     traced train steps then sometimes trained differently from the unwrapped
     layers (test_block.py test_variable_updates_in_the_same_step_do_not_reach_
-    the_recompute). A block's weights are read in its forward now, but
-    variables its layers read directly are read again by the recompute, and
-    the memory model counts the weight gradients held through a segment's
-    backward (`Chain.applied_grad_bytes`). So they are released once every
-    gradient of the block is computed.
+    the_recompute). So they are released once every gradient of the block
+    is computed; a segment holds them through its backward (the memory model
+    counts that: `Chain.applied_grad_bytes`). The state values' gradients
+    (a watched frozen variable's) wait too.
     """
     if tf.executing_eagerly() or not any(ordered):
         return grads

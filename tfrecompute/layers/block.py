@@ -358,16 +358,18 @@ class RecomputeBlock(keras.layers.Layer):
             self._build_inner_like(inputs, args, kwargs)
         if not self._may_recompute(inputs, args, kwargs, training):
             return self._run_inner(inputs, *args, training=training, mask=mask, **kwargs)
+        in_loop = in_control_flow_body()
         frame = RecomputeFrame(
             self,
             (inputs, args, kwargs),
             training=training,
             mask=mask,
-            weights=self._weights(),
             state_variables=self._state_variables(),
+            loop_weights=list(self.trainable_variables) if in_loop else [],
             debug=self.debug or debug_enabled(),
         )
-        if frame.weights or in_control_flow_body() or should_record_backprop(frame.own_sources()):
+        watched = should_record_backprop(frame.own_sources())
+        if self.trainable_variables or in_loop or watched:
             # A loop body or cond branch is not recorded by any tape: whether a
             # gradient reaches the block there is known only once the loop's
             # gradient is built, so the block checkpoints.
@@ -427,29 +429,21 @@ class RecomputeBlock(keras.layers.Layer):
             stacklevel=2,
         )
 
-    def _unique(self, attribute: str) -> list[Any]:
-        """`layer.<attribute>` of the wrapped layers, each variable once."""
-        seen: set[int] = set()
-        found = []
-        for layer in self.inner:
-            for variable in getattr(layer, attribute):
-                if id(variable) not in seen:
-                    seen.add(id(variable))
-                    found.append(variable)
-        return found
-
-    def _weights(self) -> list[Any]:
-        """The trainable variables of the wrapped layers: the block's weights."""
-        return self._unique("trainable_variables")
-
     def _state_variables(self) -> list[Any]:
-        """The other variables, whose values a recompute must replay.
+        """The non-trainable variables of the wrapped layers, whose values a recompute replays.
 
         A frozen layer's (`trainable=False`) weights are among them: read from
-        the snapshot, they get a gradient only where a tape watches them
-        explicitly, as the layers unwrapped.
+        the snapshot, they get a gradient where a tape watches them, as the
+        layers unwrapped.
         """
-        return self._unique("non_trainable_variables")
+        seen: set[int] = set()
+        state = []
+        for layer in self.inner:
+            for variable in layer.non_trainable_variables:
+                if id(variable) not in seen:
+                    seen.add(id(variable))
+                    state.append(variable)
+        return state
 
     def _recomputed_call(self, frame: RecomputeFrame) -> Any:
         forward = frame.run()

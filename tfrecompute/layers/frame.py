@@ -1,11 +1,11 @@
 """`RecomputeFrame`: the state of one recomputed call of a block.
 
-A block's training call makes one frame. The frame reads the block's sources,
-runs the forward, finds what the forward captured, attaches the block's
-gradient to its results (`backward.BlockGradient`) and puts the block's
-outputs back together. What the forward and the recompute must share (the
-call's arguments, the values of the weights and state) and what the forward
-leaves for the backward are named attributes, not entries of a dict shared by
+A block's training call makes one frame. The frame reads the block's state,
+runs the forward, finds what the forward captured and read, attaches the
+block's gradient to its results (`backward.BlockGradient`) and puts the
+block's outputs back together. What the forward and the recompute must share
+(the call's arguments, the values of the state) and what the forward leaves
+for the backward are named attributes, not entries of a dict shared by
 closures.
 """
 
@@ -21,6 +21,7 @@ import keras
 import tensorflow as tf
 
 from tfrecompute._keras_internals import (
+    backing_variable,
     call_context,
     device_scope,
     get_keras_mask,
@@ -29,6 +30,7 @@ from tfrecompute._keras_internals import (
     should_record_backprop,
     stop_recording,
 )
+from tfrecompute._messages import fail
 from tfrecompute.layers.backward import BlockGradient, Replay
 from tfrecompute.layers.custom_gradient import after, attach_gradient, depend_on
 from tfrecompute.layers.debug import verify_recompute
@@ -87,17 +89,24 @@ class RecomputeFrame:
 
     NOTE [ What crosses the recompute boundary ]
     The block's gradient is taken with respect to its sources: the floating
-    tensors among the call's arguments, the values of the wrapped layers'
-    trainable variables, the floating values of their state (what a tape
-    watching a frozen variable differentiates), and the tensors the forward
-    captured (NOTE [ Captured tensors ]). All are read before the forward,
-    under the caller's tapes, so a gradient with respect to a read reaches
-    the variable. The forward and every recompute run on copies of them
-    (`execute`): the variables are mapped to their copies by a Keras
-    stateless scope. Everything else (integer token ids, boolean masks,
-    Python values, `training`) is held by the frame. Only the floating
-    outputs (and losses) get the block's gradient; other outputs (and Keras
-    masks) are taken from the forward run, as they carry no gradient.
+    tensors among the call's arguments, the floating values of the wrapped
+    layers' state (what a tape watching a frozen variable differentiates),
+    the tensors the forward captured (NOTE [ Captured tensors ]) and the
+    trainable variables it read. The state values are read before the
+    forward, under the caller's tapes, and the forward and every recompute
+    run on copies of them and of the call's inputs (`execute`; the state
+    variables are mapped to their copies by a Keras stateless scope, which
+    replays randomness and collects state updates). Everything else (integer
+    token ids, boolean masks, Python values, `training`) is held by the frame.
+    Only the floating outputs (and losses) get the block's gradient; other
+    outputs (and Keras masks) are taken from the forward run, as they carry no
+    gradient.
+
+    The trainable variables are read as variables, in the forward and again
+    in each recompute, not mapped to tensors: code that sees a variable as a
+    variable (a `tf.custom_gradient` reading `self.kernel` in its body finds
+    it by watching variable reads) then works as unwrapped. A `ForwardWatch`
+    names the variables the forward read.
 
     Copies carry no Keras mask, and a layer that reads its masks from its
     inputs' `_keras_mask` (the `query_mask` and `value_mask` of
@@ -105,18 +114,19 @@ class RecomputeFrame:
     each input's mask to its copy.
 
     NOTE [ Stop only the outer tapes ]
-    The forward must not be recorded by the caller's tapes (they would keep
-    its activations), but a tape the wrapped layers open themselves must
-    record (a gradient penalty inside a layer). TensorFlow can stop all tapes
-    of a thread, not some of them. So the forward runs with all tapes active
-    but on copies made under `stop_recording()`, which no tape watches: the
-    caller's tapes record nothing of it, a tape opened inside watches what it
-    likes. Two things still reach the caller's tapes, both found by the
-    `ForwardWatch`: a captured tensor a caller's tape watches, and a
-    trainable variable read directly rather than through Keras (a raw
-    `tf.Variable`). The block's gradient covers both; eagerly the caller's
-    tape also keeps the ops of the forward that used them (memory, not
-    numbers: the block's outputs are not those ops' outputs).
+    The forward must not be recorded for backprop by the caller's tapes (they
+    would keep its activations to the end of the step), but a tape the wrapped
+    layers open themselves must record (a gradient penalty inside a layer).
+    TensorFlow can stop all tapes of a thread, not some of them. So the
+    forward runs with all tapes active, on copies made under
+    `stop_recording()`, which no tape watches: a tape opened inside watches
+    what it likes. A caller's tape still records the forward's ops that read
+    a variable or a captured tensor it watches, but the block's outputs are
+    not those ops' outputs, so backprop never reaches them, and they hold
+    nothing past the forward: an eager tape drops an op's record once the
+    op's outputs are gone (the forward's are dropped as soon as the block's
+    outputs are made), and in a graph a tape's records exist only while it is
+    traced.
 
     NOTE [ Captured tensors ]
     A layer may read a tensor computed outside the block (held on `self`,
@@ -132,9 +142,11 @@ class RecomputeFrame:
         call: `(inputs, args, kwargs)` of the call.
         training: the call's `training` value.
         mask: the call's incoming Keras mask.
-        weights: the trainable variables the layers read.
-        state_variables: the other variables the recompute replays (see
-            `state.py`).
+        state_variables: the non-trainable variables the recompute replays
+            (see `state.py`).
+        loop_weights: in a loop body or cond branch, the block's trainable
+            variables, which the recompute reads from the forward's values
+            (NOTE [ Blocks in loop bodies ]); empty elsewhere.
         debug: compare every recompute with the forward.
     """
 
@@ -145,8 +157,8 @@ class RecomputeFrame:
         *,
         training: Any,
         mask: Any,
-        weights: list[Any],
         state_variables: list[Any],
+        loop_weights: list[Any],
         debug: bool,
     ) -> None:
         self.block = block
@@ -156,12 +168,12 @@ class RecomputeFrame:
         self.input_masks = [get_keras_mask(self.flat[i]) for i in self.float_positions]
         self.training = training
         self.mask = mask
-        self.weights = weights
         self.state_variables = state_variables
         self.debug = debug
         self.device = device_scope()
-        self.weight_values = snapshot(weights)
         self.state_values = snapshot(state_variables)
+        self.loop_weights = loop_weights
+        self.loop_values = snapshot(loop_weights)
         self.float_state = [i for i, v in enumerate(self.state_values) if is_float_tensor(v)]
         self.forward: Forward | None = None
         self.captures: list[tf.Tensor] = []
@@ -170,31 +182,32 @@ class RecomputeFrame:
     # ------------------------------------------------------------ sources
 
     def own_sources(self) -> list[tf.Tensor]:
-        """The call's floating tensors, the weights' values, the floating state values."""
-        return (
-            [self.flat[i] for i in self.float_positions]
-            + list(self.weight_values)
-            + [self.state_values[i] for i in self.float_state]
-        )
+        """The call's floating tensors, then the floating state values."""
+        return [self.flat[i] for i in self.float_positions] + [
+            self.state_values[i] for i in self.float_state
+        ]
 
-    def _split(self, values: Sequence[tf.Tensor]) -> tuple[list[Any], list[Any], list[Any]]:
-        """`own_sources`-ordered values as (inputs, weights, full state)."""
+    def _split(self, values: Sequence[tf.Tensor]) -> tuple[list[Any], list[Any]]:
+        """`own_sources`-ordered values as (inputs, full state)."""
         inputs = list(values[: len(self.float_positions)])
-        weights = list(values[len(inputs) : len(inputs) + len(self.weight_values)])
         state = list(self.state_values)
-        for position, value in zip(self.float_state, values[len(inputs) + len(weights) :]):
+        for position, value in zip(self.float_state, values[len(inputs) :]):
             state[position] = value
-        return inputs, weights, state
+        return inputs, state
 
     def execute(
-        self, values: Sequence[tf.Tensor], after: tf.Tensor | None = None
+        self,
+        values: Sequence[tf.Tensor],
+        after: tf.Tensor | None = None,
+        weights: Sequence[tf.Tensor] = (),
     ) -> tuple[Any, RecordingStatelessScope]:
         """Runs the wrapped layers on `own_sources`-ordered copies.
 
+        `weights` are values for `loop_weights` (in a loop body's recompute).
         `after` (in a graph-mode recompute) orders everything the frame holds
         after the incoming gradient: see `custom_gradient.after`.
         """
-        inputs, weights, state = self._split(values)
+        inputs, state = self._split(values)
         flat = [depend_on(v, after) for v in self.flat]
         for position, value, input_mask in zip(self.float_positions, inputs, self.input_masks):
             if input_mask is not None:
@@ -203,7 +216,7 @@ class RecomputeFrame:
         arguments, args, kwargs = keras.tree.pack_sequence_as(self.call, flat)
         mask = keras.tree.map_structure(lambda m: depend_on(m, after), self.mask)
         state = [depend_on(v, after) for v in state]
-        mapping = list(zip(self.weights, weights)) + list(zip(self.state_variables, state))
+        mapping = list(zip(self.state_variables, state)) + list(zip(self.loop_weights, weights))
         with (
             call_context(self.block, self.training),
             RecordingStatelessScope(mapping) as scope,
@@ -231,11 +244,11 @@ class RecomputeFrame:
             outputs, scope = self.execute(copies)
         results = self.differentiable(outputs, scope)
         self.captures = watch.captures(known=copies)
-        own = {id(v) for v in self.weights}
-        self.variables = [v for v in watch.variables if id(v) not in own]
+        self.variables = self._read_variables(watch)
         kept = None
-        if not self.captures and saves_nothing(watch):
-            kept = self._kept(tape, results, copies + self.variables)
+        if not self.captures and saves_nothing(watch, results):
+            backing = [backing_variable(v) for v in self.loop_weights]
+            kept = self._kept(tape, results, copies + backing + self.variables)
         self.forward = Forward(
             outputs=outputs,
             scope=scope,
@@ -251,19 +264,20 @@ class RecomputeFrame:
         """The results with the block's gradient attached (NOTE in `backward.py`)."""
         own = self.own_sources()
         reads = [tf.convert_to_tensor(v) for v in self.variables]
-        sources = own + self.captures + reads
+        sources = own + self.loop_values + self.captures + reads
         eager = tf.executing_eagerly()
         active = [i for i, s in enumerate(sources) if not eager or should_record_backprop([s])]
         if not active:
             return results
-        count, captured = len(self.float_positions), len(own) + len(self.captures)
+        inputs, captured = len(self.float_positions), len(own) + len(self.loop_values)
+        captures = range(captured, captured + len(self.captures))
         gradient = BlockGradient(
             self.block.name,
             specs=[(r.dtype, r.shape) for r in results],
             parents=parents,
             replay=lambda g, persistent: self._select(self.recompute(g, persistent), active),
             kept=None if kept is None else self._select(kept, active),
-            ordered=[count <= i < len(own) or i >= captured for i in active],
+            ordered=[i >= inputs and i not in captures for i in active],
         )
         hidden = attach_gradient(results, [sources[i] for i in active], gradient.backward)
         outputs: list[tf.Tensor | None] = [None] * len(results)
@@ -277,6 +291,44 @@ class RecomputeFrame:
             )
         return [o for o in outputs if o is not None]
 
+    def _read_variables(self, watch: ForwardWatch) -> list[Any]:
+        """The trainable variables the forward read, other than `loop_weights`.
+
+        NOTE [ Blocks in loop bodies ]
+        In the gradient of a `tf.while_loop` (or `tf.scan`, or a Keras RNN
+        under `tf.function`) a variable read again in the recompute fails
+        ("... is in list of internal_captures but not in
+        internal_capture_to_output"): the loop's gradient can only use
+        tensors of the forward's body. So there the recompute reads the
+        block's weights from values read before the forward (`loop_weights`),
+        mapped by the stateless scope. Two things then cannot be replayed and
+        raise: a variable the block does not own (the recompute would read
+        it again), and a `tf.custom_gradient` whose body reads a variable
+        (given the mapped value, it would no longer see a variable, and its
+        gradient for it would be lost).
+        """
+        found = list(watch.variables)
+        if not self.loop_weights:
+            return found
+        owned = {id(backing_variable(v)) for v in self.loop_weights}
+        foreign = [v for v in found if id(v) not in owned]
+        if foreign or watch.custom_gradients_of_variables():
+            what = (
+                f"the wrapped layers read variables the block does not own ({foreign[0].name})"
+                if foreign
+                else "a tf.custom_gradient inside reads a variable in its body"
+            )
+            fail(
+                f"RecomputeBlock '{self.block.name}'",
+                f"{what}, which a recompute inside a loop body (tf.while_loop, tf.scan, an "
+                "RNN cell under tf.function) cannot replay",
+                "layers",
+                self.block.unwrap(),
+                "Pass such variables to the layers as arguments or weights of layers in the "
+                "block, or keep that layer (or the block) out of the loop",
+            )
+        return []
+
     @staticmethod
     def _kept(tape: tf.GradientTape, results: list[tf.Tensor], sources: list[Any]) -> Replay:
         """The forward itself, to differentiate instead of a recompute (NOTE [ Early stop ])."""
@@ -284,8 +336,10 @@ class RecomputeFrame:
             return Replay.of_tape(tape, results, sources)
         graph = tf.compat.v1.get_default_graph()
 
+        leaves = [s for s in sources if isinstance(s, tf.Tensor)]
+
         def gradient(targets: Any, sources: Any, output_gradients: Any, unconnected: Any) -> Any:
-            return graph_gradients(targets, sources, output_gradients, unconnected, graph)
+            return graph_gradients(targets, sources, output_gradients, unconnected, graph, leaves)
 
         return Replay(gradient, results, sources)
 
@@ -300,30 +354,19 @@ class RecomputeFrame:
         device = tf.device(self.device) if self.device else contextlib.nullcontext()
         with device, tf.GradientTape(persistent=persistent) as tape:
             dependency = None if tf.executing_eagerly() else after(gradient)
-            copies = self._recompute_copies(dependency)
-            tape.watch(copies)
+            copies = [depend_on(tf.identity(v), dependency) for v in self.own_sources()]
+            with tf.control_dependencies([] if dependency is None else [dependency]):
+                # An Identity aliases; `w + 0` would allocate a copy of every weight.
+                weights = [tf.identity(v) for v in self.loop_values]
+            tape.watch(copies + weights)
             tape.watch(self.captures)
             tape.watch(self.variables)
-            outputs, scope = self.execute(copies, dependency)
+            outputs, scope = self.execute(copies, dependency, weights)
             results = self.differentiable(outputs, scope)
             if self.debug:
                 assert self.forward is not None
                 results = verify_recompute(self.block.name, self.forward.results, results)
-        return Replay.of_tape(tape, results, copies + self.captures + self.variables)
-
-    def _recompute_copies(self, dependency: tf.Tensor | None) -> list[tf.Tensor]:
-        """Copies of `own_sources` for a recompute, ordered after the incoming gradient.
-
-        The call's inputs get a data dependency (XLA keeps no control
-        dependencies); the weights' values only a control dependency: `w + 0`
-        would allocate a copy of every weight, while an `Identity` aliases it
-        (measured: 16 MiB more at the peak of an 8 x Dense(1024) step).
-        """
-        inputs, weights, state = self._split(self.own_sources())
-        copies = [depend_on(tf.identity(v), dependency) for v in inputs]
-        with tf.control_dependencies([] if dependency is None else [dependency]):
-            copies += [tf.identity(v) for v in weights]
-        return copies + [depend_on(tf.identity(state[i]), dependency) for i in self.float_state]
+        return Replay.of_tape(tape, results, copies + weights + self.captures + self.variables)
 
     def pack(self) -> tuple[Any, list[tf.Tensor]]:
         """The block's outputs and its losses.

@@ -29,6 +29,7 @@ import tensorflow as tf
 from tfrecompute._keras_internals import (
     VariableWatcher,
     eager_function_def,
+    gradient_override_name,
     op_callback,
     should_record_backprop,
 )
@@ -42,11 +43,23 @@ __all__ = ["ForwardWatch", "OpRecord", "saves_nothing"]
 
 # Ops whose gradient reads none of their inputs and outputs.
 GRADIENT_READS_NOTHING = frozenset(
-    {"AddN", "BiasAdd", "Identity", "IdentityN", "Neg", "NoOp", "PreventGradient", "StopGradient"}
+    {
+        "AddN",
+        "BiasAdd",
+        "Identity",
+        "IdentityN",
+        "Neg",
+        "NoOp",
+        "PreventGradient",
+        "ReadVariableOp",
+        "StopGradient",
+    }
 )
-# Ops whose gradient reads their inputs (or only their shapes), never their outputs.
+# Ops whose gradient reads their inputs (or only their shapes), never their outputs
+# (checked against tensorflow/python/ops/{array,math,nn}_grad.py, TF 2.21).
 GRADIENT_READS_INPUTS = frozenset(
     {
+        "Abs",
         "Add",
         "AddV2",
         "BatchMatMulV2",
@@ -55,14 +68,19 @@ GRADIENT_READS_INPUTS = frozenset(
         "Cast",
         "ConcatV2",
         "Conv2D",
+        "Cos",
         "ExpandDims",
+        "Log",
         "MatMul",
         "Mean",
         "Mul",
         "Pack",
         "Pad",
         "Reshape",
+        "Sin",
         "Slice",
+        "Softplus",
+        "Square",
         "Squeeze",
         "StridedSlice",
         "Sub",
@@ -159,6 +177,22 @@ class ForwardWatch:
             return [t for t in found.values() if should_record_backprop([t])]
         return [t for t in found.values() if t.op.type != "Const"]
 
+    def custom_gradients_of_variables(self) -> bool:
+        """Whether a graph forward ran a `tf.custom_gradient` that read a variable in its body.
+
+        `tf.custom_gradient` appends such variables to the inputs of the
+        `IdentityN` op it creates, read afresh there: a `ReadVariableOp`
+        output that nothing but that op consumes (an argument read from a
+        variable is also used by the function's body).
+        """
+        for op in self._graph_ops:
+            if op.type != "IdentityN" or not gradient_override_name(op):
+                continue
+            for tensor in op.inputs:
+                if tensor.op.type == "ReadVariableOp" and tensor.consumers() == [op]:
+                    return True
+        return False
+
     def random_ops(self) -> list[str]:
         """The stateful random ops the forward ran, as `"<name> (<type>)"`."""
         if self._graph is not None:
@@ -216,15 +250,23 @@ def _results_above(
     return found
 
 
-def saves_nothing(watch: ForwardWatch) -> bool:
+def saves_nothing(watch: ForwardWatch, results: Sequence[tf.Tensor]) -> bool:
     """Whether a plain backward of the forward reads no tensor the forward computed.
 
     True when every op with a floating output has a gradient that reads
     nothing, or reads only its inputs and those come from outside the
-    forward (the block's inputs, its weights, constants), which the block
-    keeps anyway. A conservative table: any other op counts as saving.
+    forward (the block's inputs, constants), are a variable's value or are
+    among the block's `results`, which are kept anyway. A conservative
+    table: any other op counts as saving.
     """
-    produced = watch.produced()
+    kept = {id(t) for t in results}
+    produced = {
+        id(t)
+        for op in watch.ops
+        if op.type != "ReadVariableOp"
+        for t in op.outputs
+        if id(t) not in kept
+    }
     for op in watch.iter_float_ops():
         if op.type in GRADIENT_READS_NOTHING:
             continue
