@@ -24,7 +24,7 @@ from tests.helpers import (
     assert_same_values,
     normal,
 )
-from tests.test_errors import CONVENTION
+from tests.test_errors import CONVENTION, _own_message
 from tfrecompute import RecomputeBlock
 from tfrecompute.layers import RecomputeMismatchError
 
@@ -645,6 +645,61 @@ def test_blocks_inside_loop_bodies_match_unwrapped(weightless, loop, mode):
         assert_same_run(run, block, layer, mode)
 
 
+class ReadsOutsideVariable(keras.layers.Layer):
+    """Reads a variable the block does not own, directly or in a tf.custom_gradient's body."""
+
+    def __init__(self, raw, in_custom_gradient, **kwargs):
+        super().__init__(**kwargs)
+        self.raw = raw
+        self.in_custom_gradient = in_custom_gradient
+        self.dense = keras.layers.Dense(5, activation="tanh")
+
+    def build(self, input_shape):
+        self.dense.build(input_shape)
+
+    def call(self, x):
+        if not self.in_custom_gradient:
+            return self.dense(x) * self.raw
+
+        @tf.custom_gradient
+        def scaled(h):
+            scale = self.dense.kernel[0]  # a variable read in the body
+
+            def grad(dy, variables=None):
+                return dy * scale, [tf.zeros_like(v) for v in variables or []]
+
+            return h * scale, grad
+
+        return scaled(x)
+
+
+@pytest.mark.parametrize(
+    "in_custom_gradient", [False, True], ids=["raw_variable", "custom_gradient"]
+)
+def test_what_a_recompute_in_a_loop_body_cannot_replay_raises(in_custom_gradient):
+    """NOTE [ Blocks in loop bodies ]: the layers unwrapped run; the block names the cause."""
+    layer = ReadsOutsideVariable(tf.Variable(tf.ones((5,))), in_custom_gradient)
+    layer.build((None, 5))
+    block = RecomputeBlock(layer, name="looped")
+
+    def step(fn, x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = tf.while_loop(
+                lambda i, h: i < 2, lambda i, h: (i + 1, fn(h, training=True)), (0, x)
+            )
+            loss = tf.reduce_sum(y[1])
+        return tape.gradient(loss, x)
+
+    tf.function(step, autograph=False)(layer, normal((3, 5)))  # unwrapped: fine
+    what = "a tf.custom_gradient inside reads" if in_custom_gradient else "the wrapped layers read"
+    with pytest.raises(ValueError, match=rf"RecomputeBlock 'looped': {what}") as raised:
+        tf.function(step, autograph=False)(block, normal((3, 5)))
+    own = _own_message(raised.value)
+    assert CONVENTION.match(own), own
+    assert "keep that layer (or the block) out of the loop" in own
+
+
 class BlockCell(keras.layers.Layer):
     """An RNN cell whose step is a block (or the same layer unwrapped)."""
 
@@ -824,6 +879,31 @@ def test_a_block_that_saves_nothing_is_not_recomputed(make, mode):
     counter.calls = 0
     assert_same_run(run, block, counter, mode)
     assert counter.calls == 2  # one call each for the block and the unwrapped run
+
+
+def _flat_and_back(x):
+    flat = tf.reshape(x, (-1,))
+    return flat, tf.reshape(flat, (2, -1))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_early_stop_keeps_gradients_between_outputs(mode):
+    """A block that saves nothing, one output computed from the other."""
+    layer = Counting(keras.layers.Lambda(_flat_and_back))
+    layer.build((None, 4))
+    block = RecomputeBlock(layer)
+    x = normal((2, 4))
+
+    def run(fn):
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(x)
+            flat, tripled = fn(x, training=True)
+            loss = _weighted_sum([flat, tripled])
+        return [tape.gradient(tripled, flat), tape.gradient(loss, x)]
+
+    layer.calls = 0
+    between, _ = assert_same_run(run, block, layer, mode)
+    assert layer.calls == 2 and between is not None
 
 
 @pytest.mark.parametrize("mode", MODES)
