@@ -64,8 +64,8 @@ __all__ = [
 def tape_is_recording() -> bool:
     """Whether any gradient tape or forward accumulator could record the ops run now.
 
-    Not inside `stop_recording()`, where the forward of an enclosing block
-    runs: a block nested in another is a plain call there.
+    False inside `stop_recording()` (where a block makes the copies its
+    forward runs on).
     """
     return bool(record.could_possibly_record()) and not pywrap_tfe.TFE_Py_TapeSetIsStopped()
 

@@ -183,16 +183,23 @@ class RecomputeBlock(keras.layers.Layer):
     blocks, shared and frozen layers, recurrent layers, XLA
     (`jit_compile=True`), higher-order gradients and forward-mode autodiff
     (where the block runs as a plain call: forward mode keeps no activations)
-    give the same results as the layers unwrapped.
+    give the same results as the layers unwrapped, and so do gradients that
+    are None unwrapped, tensors the layers capture from outside the block, a
+    tape opened inside a layer, gradients between the block's outputs, eager
+    Python control flow, and blocks inside `tf.while_loop` or `tf.scan`
+    bodies and RNN cells. A single wrapped layer gets extra call arguments
+    (tensors, Python values, numpy scalars, None) as it would unwrapped.
 
     Args:
         layers: one Keras layer, a list of layers applied in order, or a Keras
             Functional model (any number of inputs and outputs).
-        debug: check in every recompute that it reproduces the forward's
-            tensors (dtypes, shapes and values) and fail with an error naming
-            the block if not. Slow (the forward's outputs are kept for the
-            comparison); off by default. `tfrecompute.layers.set_debug(True)`
-            turns it on for all blocks.
+        debug: check in every recompute that it reproduces the values of
+            the forward's tensors and fail with an error naming the block if
+            not. Slow (the forward's outputs are kept for the comparison);
+            off by default. Their count, dtypes and static shapes are checked
+            always (in a graph when the gradient is traced, at no cost per
+            step). `tfrecompute.layers.set_debug(True)` turns it on for all
+            blocks.
         **kwargs: base `keras.layers.Layer` arguments (`name`, `dtype`, ...).
 
     Example:
