@@ -335,7 +335,6 @@ class RecomputeFrame:
         if tf.executing_eagerly():
             return Replay.of_tape(tape, results, sources)
         graph = tf.compat.v1.get_default_graph()
-
         leaves = [s for s in sources if isinstance(s, tf.Tensor)]
 
         def gradient(targets: Any, sources: Any, output_gradients: Any, unconnected: Any) -> Any:
