@@ -89,6 +89,72 @@ def assert_same_training(
         np.testing.assert_allclose(g, w, atol=atol, rtol=1e-5, err_msg=f"state {variable.path}")
 
 
+def _float64(value: Any) -> np.ndarray:
+    """A tensor (dense, or IndexedSlices as a dense gradient) as a float64 array."""
+    return np.asarray(tf.convert_to_tensor(value), np.float64)
+
+
+def assert_same_values(got: Any, want: Any, *, rtol: float = 1e-6, what: str = "value") -> None:
+    """Asserts two nested structures of tensors (or None) are equal to `rtol`.
+
+    None must meet None: a gradient the unwrapped layers leave None must be
+    None, not zeros. Each tensor is measured against max(its own scale, 1e-2
+    of the largest scale of all tensors), the GUIDE's rule: a mathematically
+    zero gradient is float noise next to the others.
+    """
+    got_flat, want_flat = tf.nest.flatten(got), tf.nest.flatten(want)
+    assert len(got_flat) == len(want_flat), (len(got_flat), len(want_flat))
+    arrays = [
+        None if w is None else np.asarray(tf.convert_to_tensor(w), np.float64) for w in want_flat
+    ]
+    largest = max([float(np.max(np.abs(a))) for a in arrays if a is not None and a.size] + [0.0])
+    for index, (g, w) in enumerate(zip(got_flat, arrays)):
+        if w is None:
+            assert g is None, f"{what} {index}: expected None (as unwrapped), got {g!r}"
+            continue
+        assert g is not None, f"{what} {index}: got None, the unwrapped layers give a tensor"
+        g = _float64(g)
+        assert g.shape == w.shape, f"{what} {index}: shape {g.shape}, unwrapped {w.shape}"
+        scale = max(float(np.max(np.abs(w))) if w.size else 0.0, 1e-2 * largest, 1e-30)
+        error = float(np.max(np.abs(g - w))) if w.size else 0.0
+        assert error <= rtol * scale, f"{what} {index}: error {error:.3g} > {rtol} x {scale:.3g}"
+
+
+def assert_same_run(
+    run: Callable[[Any], Any],
+    wrapped: Any,
+    unwrapped: Any,
+    mode: str,
+    *,
+    state: Sequence[Any] = (),
+    rtol: float = 1e-6,
+) -> Any:
+    """Runs `run(wrapped)` and `run(unwrapped)` alike (eagerly or traced) and compares them.
+
+    `state` (statistics, seed states) is restored between the two runs.
+    Returns the wrapped run's results.
+    """
+    if mode not in MODES:
+        raise ValueError(mode)
+
+    def first() -> Any:
+        return run(wrapped)
+
+    def second() -> Any:
+        return run(unwrapped)
+
+    if mode == "function":
+        first, second = tf.function(first), tf.function(second)
+    initial = save_state(state)
+    got = first()
+    got_state = save_state(state)
+    load_state(state, initial)
+    want = second()
+    assert_same_values(got, want, rtol=rtol)
+    assert_same_values(got_state, save_state(state), rtol=rtol, what="state")
+    return got
+
+
 def normal(shape: Sequence[int], seed: int = 0) -> tf.Tensor:
     """A float32 tensor of standard normal values (deterministic per seed)."""
     return tf.constant(np.random.default_rng(seed).normal(size=shape).astype("float32"))
@@ -114,14 +180,15 @@ def assert_same_fit(
     epochs: int = 2,
     batch_size: int = 8,
     atol: float = 1e-5,
+    optimizer: Callable[[], Any] | None = None,
     **compile_kwargs: Any,
 ) -> None:
     """Asserts that models sharing `variables` train alike with `model.fit`.
 
     Each model starts from the same values of `variables` (weights, statistics,
-    seed states), is compiled with SGD and `compile_kwargs` and fitted without
-    shuffling; the losses and the final values must agree, and training must
-    have moved the weights.
+    seed states), is compiled with `optimizer()` (default SGD(0.1)) and
+    `compile_kwargs` and fitted without shuffling; the losses and the final
+    values must agree, and training must have moved the weights.
     """
     import keras
 
@@ -130,7 +197,8 @@ def assert_same_fit(
     for model in models:
         load_state(variables, initial)
         compile_kwargs.setdefault("loss", "mse")
-        model.compile(optimizer=keras.optimizers.SGD(0.1), **compile_kwargs)
+        made = keras.optimizers.SGD(0.1) if optimizer is None else optimizer()
+        model.compile(optimizer=made, **compile_kwargs)
         history = model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
         results.append((history.history["loss"], save_state(variables)))
     (want_loss, want_state), *others = results

@@ -98,7 +98,7 @@ def test_nested_forward_count_is_one_more_per_level(levels, mode):
     if mode == "function":
         step = tf.function(step)  # counts are per trace
     else:
-        step(x)  # the first eager step also traces each block once to check its randomness
+        step(x)  # a warm-up step; eagerly the counts are the same from the first step on
     for counter in counters:
         counter.calls = 0
     grads = step(x)

@@ -38,6 +38,8 @@ ORDER = [
     "tfrecompute.layers.state",
     "tfrecompute.layers.randomness",
     "tfrecompute.layers.debug",
+    "tfrecompute.layers.watch",
+    "tfrecompute.layers.backward",
     "tfrecompute.layers.tree",
     "tfrecompute.layers.dtypes",
     "tfrecompute.layers.frame",

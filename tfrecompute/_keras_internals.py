@@ -19,24 +19,36 @@ import tensorflow as tf
 from keras.src.backend.common import global_state
 from keras.src.layers.layer import CallContext
 from tensorflow.python import pywrap_tfe
-from tensorflow.python.eager import record
+from tensorflow.python.eager import context, record
+from tensorflow.python.framework import op_callbacks
+from tensorflow.python.ops import gradients_util
 from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
 __all__ = [
+    "VariableWatcher",
+    "backing_variable",
     "call_context",
     "call_has_mask_arg",
     "call_has_training_arg",
     "compute_output_spec",
+    "device_scope",
     "direct_sublayers",
+    "eager_function_def",
     "forward_accumulator_active",
     "functional_inputs",
     "functional_nodes",
     "functional_outputs",
     "get_keras_mask",
+    "graph_gradients",
+    "gradient_override_name",
+    "identity_n_gradient",
+    "in_control_flow_body",
     "inbound_nodes",
     "is_functional",
     "keras_history_operation",
+    "op_callback",
     "own_variables",
+    "record_operation",
     "recording_calls",
     "set_keras_mask",
     "set_mask_metadata",
@@ -54,8 +66,8 @@ __all__ = [
 def tape_is_recording() -> bool:
     """Whether any gradient tape or forward accumulator could record the ops run now.
 
-    Not inside `stop_recording()`, where the forward of an enclosing block
-    runs: a block nested in another is a plain call there.
+    False inside `stop_recording()` (where a block makes the copies its
+    forward runs on).
     """
     return bool(record.could_possibly_record()) and not pywrap_tfe.TFE_Py_TapeSetIsStopped()
 
@@ -78,6 +90,125 @@ def should_record_backprop(tensors: list[tf.Tensor]) -> bool:
 stop_recording = record.stop_recording
 """Context manager: no tape or accumulator records the ops run inside."""
 
+VariableWatcher = record.VariableWatcher
+"""Context manager: `.watched_variables()` are the trainable variables read inside."""
+
+
+def record_operation(
+    op_type: str, outputs: list[tf.Tensor], inputs: list[tf.Tensor], backward: Any
+) -> None:
+    """Records `outputs = op(inputs)` on every tape that watches an input.
+
+    `backward(*output_grads)` returns one gradient (or None) per input. This
+    is what `tf.custom_gradient` does; recording directly lets a block choose
+    its inputs after its forward ran (the tensors it turned out to capture).
+    """
+    record.record_operation(op_type, outputs, inputs, backward)
+
+
+# ----------------------------------------------------------- graph gradients
+# `tf.custom_gradient` registers each graph-mode gradient function in TF's
+# global gradient registry under a fresh name, where it stays for the life of
+# the process with everything its closure holds. An op's own
+# `_gradient_function` (what `tf.function` call ops use) lives as long as the
+# op's graph.
+
+
+@contextlib.contextmanager
+def identity_n_gradient(graph: tf.Graph, gradient: Any) -> Iterator[None]:
+    """`IdentityN` ops created inside get `gradient(op, *grads)` as their gradient function."""
+    with graph._override_gradient_function({"IdentityN": gradient}):
+        yield
+
+
+def graph_gradients(
+    targets: list[tf.Tensor],
+    sources: list[Any],
+    output_gradients: list[tf.Tensor],
+    unconnected: tf.UnconnectedGradients,
+    graph: tf.Graph,
+    leaves: list[tf.Tensor],
+) -> list[Any]:
+    """Symbolic gradients of `targets` at `sources`, through the ops of `graph` below `leaves`.
+
+    What `tf.while_loop` and `tf.cond` use to differentiate a body from the
+    graph of their gradient (`tf.gradients` only differentiates the default
+    graph). A tape kept with the graph instead would be a reference cycle
+    through C++ that Python cannot collect. `leaves` are held constant, as a
+    tape's watched tensors are: a graph's total derivative would also run
+    through them into the ops that made them.
+    """
+    return list(
+        gradients_util._GradientsHelper(
+            targets,
+            sources,
+            grad_ys=output_gradients,
+            stop_gradients=leaves,
+            unconnected_gradients=unconnected,
+            src_graph=graph,
+        )
+    )
+
+
+def gradient_override_name(op: tf.Operation) -> str | None:
+    """The gradient an op was given by `gradient_override_map` (`tf.custom_gradient`), or None."""
+    try:
+        return op.get_attr("_gradient_op_type").decode()
+    except ValueError:
+        return None
+
+
+def in_control_flow_body() -> bool:
+    """Whether ops are being built in the body of a `tf.while_loop` or `tf.cond` branch.
+
+    No tape records the ops of such a body: the loop's gradient is built
+    symbolically, so `should_record_backprop` cannot tell whether a gradient
+    will reach a tensor there.
+    """
+    graph = tf.compat.v1.get_default_graph()
+    return bool(getattr(graph, "is_control_flow_graph", False))
+
+
+def device_scope() -> str:
+    """The device the enclosing `tf.device` scopes request for new ops ("" for none).
+
+    Eagerly TensorFlow keeps it in the context; in a graph it is a stack of
+    device functions, resolved here the way TensorFlow resolves it for an op.
+    """
+    if tf.executing_eagerly():
+        return context.context().device_name or ""
+    graph = tf.compat.v1.get_default_graph()
+    if not graph._device_function_stack.peek_objs():
+        return ""
+    with stop_recording():
+        return tf.no_op(name="device_probe").device
+
+
+# ------------------------------------------------------------ eager ops
+# Eagerly there is no graph to inspect: the ops a forward runs are seen only
+# as they run. TensorFlow's op callbacks (what `tf.debugging.
+# enable_check_numerics` uses) are thread-local and receive every op's
+# inputs and outputs.
+
+
+@contextlib.contextmanager
+def op_callback(callback: Any) -> Iterator[None]:
+    """Calls `callback(op_type, inputs, attrs, outputs, op_name=None, graph=None)` per op."""
+    op_callbacks.add_op_callback(callback)
+    try:
+        yield
+    finally:
+        op_callbacks.remove_op_callback(callback)
+
+
+def eager_function_def(name: str) -> Any:
+    """The `FunctionDef` of a function the eager context knows by `name`, or None."""
+    ctx = context.context()
+    if not ctx.has_function(name):
+        return None
+    return ctx.get_function_def(name)
+
+
 # ------------------------------------------------------------ Keras calls
 # A block's recompute runs during backprop, outside the call of the model that
 # holds it, where Keras's call context (which carries `training` down to
@@ -95,6 +226,11 @@ def call_context(entry_layer: keras.layers.Layer, training: Any) -> Iterator[Non
         yield
     finally:
         global_state.set_global_attribute("current_call_ctx", previous)
+
+
+def backing_variable(variable: Any) -> Any:
+    """The `tf.Variable` behind a Keras variable (what TensorFlow's tapes and watchers see)."""
+    return getattr(variable, "_value", variable)
 
 
 def call_has_training_arg(layer: Any) -> bool:

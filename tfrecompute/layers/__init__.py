@@ -1,9 +1,11 @@
 """`RecomputeBlock` and what it needs, bottom-up.
 
-* `custom_gradient`: `recompute_grad`, the custom gradient that recomputes.
+* `custom_gradient`: `attach_gradient`, the gradient primitive, and the recompute's ordering guards.
 * `state`: snapshot, replay and commit of the non-trainable state.
 * `randomness`: finding random ops a recompute cannot replay.
 * `debug`: comparing each recompute with its forward (`set_debug`).
+* `watch`: what a forward ran: its ops, captured tensors, random ops.
+* `backward`: the recompute, its metadata check, and the VJPs of a block.
 * `tree`, `dtypes`: walking a tree of layers; a block's dtype checks.
 * `frame`: `RecomputeFrame`, the state of one recomputed call.
 * `block`: `RecomputeBlock`, the Keras layer.

@@ -16,18 +16,16 @@ from tfrecompute._keras_internals import (
     compute_output_spec,
     forward_accumulator_active,
     get_keras_mask,
+    in_control_flow_body,
     set_mask_metadata,
     should_record_backprop,
-    stop_recording,
     tape_is_recording,
 )
 from tfrecompute._messages import as_bool, describe, fail, received
 from tfrecompute.errors import NonReplayableRandomnessError
-from tfrecompute.layers.custom_gradient import recompute_grad
 from tfrecompute.layers.debug import debug_enabled
 from tfrecompute.layers.dtypes import block_dtype_findings
-from tfrecompute.layers.frame import RecomputeFrame, is_float_tensor
-from tfrecompute.layers.randomness import find_stateful_random_ops
+from tfrecompute.layers.frame import RecomputeFrame, in_block_forward, is_float_tensor
 from tfrecompute.layers.state import RecordingStatelessScope
 
 __all__ = ["RecomputeBlock"]
@@ -48,6 +46,79 @@ def _check_training(name: str, training: Any) -> None:
         "Pass training=True or training=False",
         error=TypeError,
     )
+
+
+# NOTE [ Extra call arguments ]
+# Keras binds `call(self, inputs, *args, **kwargs)` as two nested arguments,
+# `args` and `kwargs`, and rejects a nested argument that mixes tensors and
+# other values ("In a nested call() argument, you cannot mix tensors and
+# non-tensors"). So a single-layer block's `__call__` routes the extra
+# arguments into separate ones before Keras sees them: tensors (and what
+# Keras turns into tensors: numpy arrays and scalars) into `_tensor_kwargs`,
+# Python values and None into `_python_kwargs`, Python positional values into
+# `_python_args`. `call` puts them back as the caller passed them, so the
+# wrapped layer gets exactly the arguments it would get unwrapped.
+_ROUTED = ("_tensor_kwargs", "_python_kwargs", "_python_args")
+_KERAS_ARGUMENTS = ("training", "mask", *_ROUTED)
+
+
+def _is_tensor_like(value: Any) -> bool:
+    """A tensor, or what Keras converts to one (a numpy array or scalar)."""
+    symbolic = isinstance(value, keras.KerasTensor)
+    return tf.is_tensor(value) or symbolic or hasattr(value, "__array__")
+
+
+def _kind(value: Any) -> str:
+    """ "tensor", "python" or "mixed": how Keras will see a call argument."""
+    leaves = [leaf for leaf in keras.tree.flatten(value) if leaf is not None]
+    tensors = [leaf for leaf in leaves if _is_tensor_like(leaf)]
+    if not tensors:
+        return "python"
+    return "tensor" if len(tensors) == len(leaves) else "mixed"
+
+
+def _route(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Splits extra call arguments by kind (NOTE [ Extra call arguments ])."""
+    routed = {name: value for name, value in kwargs.items() if name in _KERAS_ARGUMENTS}
+    tensors, python = {}, {}
+    for name, value in kwargs.items():
+        if name in _KERAS_ARGUMENTS:
+            continue
+        kind = _kind(value)
+        if kind == "mixed":  # Keras rejects it unwrapped too: leave it to say so
+            routed[name] = value
+        else:
+            (tensors if kind == "tensor" else python)[name] = value
+    positional = [args[0]]
+    python_args = []
+    for index, value in enumerate(args[1:], start=1):
+        if _kind(value) == "python":
+            python_args.append([index, value])
+        else:
+            positional.append(value)
+    for name, value in zip(_ROUTED, (tensors, python, python_args)):
+        if value:
+            routed[name] = value
+    return tuple(positional), routed
+
+
+def _unroute(
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    tensor_kwargs: dict[str, Any] | None,
+    python_kwargs: dict[str, Any] | None,
+    python_args: list[Any] | None,
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The extra call arguments as the caller passed them."""
+    positional = list(args)
+    for index, value in python_args or []:
+        positional.insert(index - 1, value)
+    return tuple(positional), {**kwargs, **(tensor_kwargs or {}), **(python_kwargs or {})}
+
+
+def _shape_to_spec(shape: Any, dtype: Any) -> Any:
+    """A `KerasTensor` for a shape, None for a None leaf (an optional input left out)."""
+    return None if shape is None else keras.KerasTensor(shape, dtype=dtype)
 
 
 def _instance_hint(value: Any, otherwise: str) -> str:
@@ -112,16 +183,23 @@ class RecomputeBlock(keras.layers.Layer):
     blocks, shared and frozen layers, recurrent layers, XLA
     (`jit_compile=True`), higher-order gradients and forward-mode autodiff
     (where the block runs as a plain call: forward mode keeps no activations)
-    give the same results as the layers unwrapped.
+    give the same results as the layers unwrapped, and so do gradients that
+    are None unwrapped, tensors the layers capture from outside the block, a
+    tape opened inside a layer, gradients between the block's outputs, eager
+    Python control flow, and blocks inside `tf.while_loop` or `tf.scan`
+    bodies and RNN cells. A single wrapped layer gets extra call arguments
+    (tensors, Python values, numpy scalars, None) as it would unwrapped.
 
     Args:
         layers: one Keras layer, a list of layers applied in order, or a Keras
             Functional model (any number of inputs and outputs).
-        debug: check in every recompute that it reproduces the forward's
-            tensors (dtypes, shapes and values) and fail with an error naming
-            the block if not. Slow (the forward's outputs are kept for the
-            comparison); off by default. `tfrecompute.layers.set_debug(True)`
-            turns it on for all blocks.
+        debug: check in every recompute that it reproduces the values of
+            the forward's tensors and fail with an error naming the block if
+            not. Slow (the forward's outputs are kept for the comparison);
+            off by default. Their count, dtypes and static shapes are checked
+            always (in a graph when the gradient is traced, at no cost per
+            step). `tfrecompute.layers.set_debug(True)` turns it on for all
+            blocks.
         **kwargs: base `keras.layers.Layer` arguments (`name`, `dtype`, ...).
 
     Example:
@@ -166,7 +244,6 @@ class RecomputeBlock(keras.layers.Layer):
         # layers compute to its outputs; each inner layer warns for itself
         # when it drops a mask.
         self.supports_masking = True
-        self._randomness_checked = False
         self._warned_pointless = False
         self._build_error: Exception | None = None
 
@@ -181,6 +258,11 @@ class RecomputeBlock(keras.layers.Layer):
         """Returns what the block wraps: the single layer or model, or the list of layers."""
         return self.inner[0] if self._single else list(self.inner)
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._single and args and (len(args) > 1 or kwargs):
+            args, kwargs = _route(args, kwargs)
+        return super().__call__(*args, **kwargs)
+
     # ---------------------------------------------------------------- build
 
     def _inner_built(self) -> bool:
@@ -192,7 +274,7 @@ class RecomputeBlock(keras.layers.Layer):
         # must create their (distributed) variables.
         if not self._inner_built() and input_shape is not None and not args and not kwargs:
             specs = keras.tree.map_shape_structure(
-                lambda shape: keras.KerasTensor(shape, dtype=self.input_dtype), input_shape
+                lambda shape: _shape_to_spec(shape, self.input_dtype), input_shape
             )
             try:
                 compute_output_spec(self._run_inner, specs, training=False)
@@ -259,8 +341,17 @@ class RecomputeBlock(keras.layers.Layer):
         return outputs
 
     def call(
-        self, inputs: Any, *args: Any, training: Any = None, mask: Any = None, **kwargs: Any
+        self,
+        inputs: Any,
+        *args: Any,
+        training: Any = None,
+        mask: Any = None,
+        _tensor_kwargs: dict[str, Any] | None = None,
+        _python_kwargs: dict[str, Any] | None = None,
+        _python_args: list[Any] | None = None,
+        **kwargs: Any,
     ) -> Any:
+        args, kwargs = _unroute(args, kwargs, _tensor_kwargs, _python_kwargs, _python_args)
         if (args or kwargs) and not self._single:
             raise TypeError(
                 f"RecomputeBlock '{self.name}': extra call arguments go to a single "
@@ -272,42 +363,66 @@ class RecomputeBlock(keras.layers.Layer):
         _check_training(self.name, training)
         if not self._inner_built():
             self._build_inner_like(inputs, args, kwargs)
-        # NOTE [ Nested blocks ]
-        # A block inside another block's forward sees recording stopped (the
-        # enclosing forward runs under `stop_recording()`) and is a plain
-        # call. In the enclosing block's recompute a tape records, so the inner
-        # block checkpoints, and recomputes once more when that recompute
-        # backprops through it. So per training step a layer at nesting depth d
-        # (1 directly inside a block) runs d + 1 times: the forward, plus one
-        # run per enclosing recompute; an inner block never runs more than once
-        # per recompute of the block around it. This is what nesting is for:
-        # an inner block that kept its activations during the enclosing
-        # recompute would save nothing there.
-        if training is None or training is False or not tape_is_recording():
+        if not self._may_recompute(inputs, args, kwargs, training):
             return self._run_inner(inputs, *args, training=training, mask=mask, **kwargs)
-        flat_call_args = keras.tree.flatten((inputs, args, kwargs))
-        tensors = [v for v in flat_call_args if tf.is_tensor(v)]
+        in_loop = in_control_flow_body()
+        frame = RecomputeFrame(
+            self,
+            (inputs, args, kwargs),
+            training=training,
+            mask=mask,
+            state_variables=self._state_variables(),
+            loop_weights=list(self.trainable_variables) if in_loop else [],
+            debug=self.debug or debug_enabled(),
+        )
+        watched = should_record_backprop(frame.own_sources())
+        if self.trainable_variables or in_loop or watched:
+            # A loop body or cond branch is not recorded by any tape: whether a
+            # gradient reaches the block there is known only once the loop's
+            # gradient is built, so the block checkpoints.
+            return self._recomputed_call(frame)
+        # No weights, and no tape watches the inputs or the state's values: the
+        # tapes record nothing here, so a recompute would only cost time.
+        outputs = self._run_inner(inputs, *args, training=training, mask=mask, **kwargs)
+        floats = [o for o in keras.tree.flatten(outputs) if is_float_tensor(o)]
+        if not should_record_backprop(floats):  # else it read a watched tensor it captured
+            self._warn_pointless()
+        return outputs
+
+    def _may_recompute(
+        self, inputs: Any, args: tuple[Any, ...], kwargs: dict[str, Any], training: Any
+    ) -> bool:
+        """Whether this call may checkpoint; if not, it is a plain call of the layers."""
+        # NOTE [ Nested blocks ]
+        # A block inside another block's forward is a plain call (the
+        # enclosing forward keeps nothing for backprop anyway). In the
+        # enclosing block's recompute a tape records, so the inner block
+        # checkpoints, and recomputes once more when that recompute
+        # backprops through it. So per training step a layer at nesting
+        # depth d (1 directly inside a block) runs d + 1 times: the forward,
+        # plus one run per enclosing recompute; an inner block never runs
+        # more than once per recompute of the block around it. This is what
+        # nesting is for: an inner block that kept its activations during the
+        # enclosing recompute would save nothing there.
+        if training is None or training is False or not tape_is_recording():
+            return False
+        if in_block_forward():
+            return False
+        tensors = [v for v in keras.tree.flatten((inputs, args, kwargs)) if tf.is_tensor(v)]
         if tensors and forward_accumulator_active(tensors[0]):
             # NOTE [ Forward-mode autodiff ]
-            # A `tf.autodiff.ForwardAccumulator` gets the JVP of a custom
-            # gradient by transposing its gradient function. That fails for a
-            # gradient function that recomputes: `tf.recompute_grad` raises
-            # "recompute_grad tried to transpose grad of ...", and the one in
-            # `custom_gradient.py`, which recomputes under a local tape, gets no JVP
-            # eagerly and a wrong one in a graph (measured, TensorFlow 2.21).
-            # Forward mode keeps no activations, so there is nothing to save:
-            # the block runs its layers plainly under an accumulator. The JVPs
-            # are then exact, and so is the gradient of a GradientTape inside
-            # the accumulator (forward-over-backward), without recompute.
-            return self._run_inner(inputs, *args, training=training, mask=mask, **kwargs)
-        if not self.trainable_variables and not should_record_backprop(
-            [t for t in tensors if is_float_tensor(t)]
-        ):
-            # Nothing inside needs a gradient and no tape watches the inputs:
-            # the tape records nothing here, so a recompute would only cost time.
-            self._warn_pointless()
-            return self._run_inner(inputs, *args, training=training, mask=mask, **kwargs)
-        return self._recomputed_call(inputs, args, kwargs, training, mask)
+            # A `tf.autodiff.ForwardAccumulator` gets the JVP of a recorded
+            # operation by transposing its gradient function. That fails for
+            # a gradient function that recomputes: `tf.recompute_grad`
+            # raises "recompute_grad tried to transpose grad of ...", and one
+            # that recomputes under a local tape gets no JVP eagerly and a
+            # wrong one in a graph (measured, TensorFlow 2.21). Forward mode
+            # keeps no activations, so there is nothing to save: the block
+            # runs its layers plainly under an accumulator. The JVPs are then
+            # exact, and so is the gradient of a GradientTape inside the
+            # accumulator (forward-over-backward), without recompute.
+            return False
+        return True
 
     def _warn_pointless(self) -> None:
         if self._warned_pointless:
@@ -322,10 +437,11 @@ class RecomputeBlock(keras.layers.Layer):
         )
 
     def _state_variables(self) -> list[Any]:
-        """Variables whose values a recompute must replay (not differentiated).
+        """The non-trainable variables of the wrapped layers, whose values a recompute replays.
 
         A frozen layer's (`trainable=False`) weights are among them: read from
-        the snapshot, they get no gradient, as Keras intends for frozen layers.
+        the snapshot, they get a gradient where a tape watches them, as the
+        layers unwrapped.
         """
         seen: set[int] = set()
         state = []
@@ -336,31 +452,13 @@ class RecomputeBlock(keras.layers.Layer):
                     state.append(variable)
         return state
 
-    def _recomputed_call(
-        self,
-        inputs: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        training: Any,
-        mask: Any,
-    ) -> Any:
-        frame = RecomputeFrame(
-            self,
-            (inputs, args, kwargs),
-            training=training,
-            mask=mask,
-            state_variables=self._state_variables(),
-            debug=self.debug or debug_enabled(),
-        )
-        if not self._randomness_checked and tf.executing_eagerly():
-            self._check_randomness_eagerly(frame)
-        results = recompute_grad(frame.run)(*frame.float_inputs)
-        forward = frame.forward
-        assert forward is not None and forward.scope is not None
-        if forward.operations:
-            self._check_randomness(tf.compat.v1.get_default_graph(), forward.operations)
+    def _recomputed_call(self, frame: RecomputeFrame) -> Any:
+        forward = frame.run()
+        if forward.random_ops:
+            self._reject_randomness(forward.random_ops)
+        assert forward.scope is not None
         self._commit_state(forward.scope, frame.state_variables)
-        outputs, losses = frame.pack(results)
+        outputs, losses = frame.pack()
         for loss in losses:
             self.add_loss(loss)
         return outputs
@@ -391,30 +489,15 @@ class RecomputeBlock(keras.layers.Layer):
 
     # ------------------------------------------------------------ randomness
 
-    def _check_randomness_eagerly(self, frame: RecomputeFrame) -> None:
-        """Eager mode has no graph to inspect: traces the frame's forward once to check it."""
-
-        def forward(*values: tf.Tensor) -> list[tf.Tensor]:
-            return frame.differentiable(*frame.execute(values))
-
-        traced = tf.function(forward, autograph=False)
-        specs = [tf.TensorSpec(t.shape, t.dtype) for t in frame.float_inputs]
-        with stop_recording():  # nothing to differentiate: blocks inside run plainly
-            graph = traced.get_concrete_function(*specs).graph
-        self._check_randomness(graph, graph.get_operations())
-
-    def _check_randomness(self, graph: tf.Graph, operations: Sequence[tf.Operation]) -> None:
-        self._randomness_checked = True
-        found = find_stateful_random_ops(graph, operations)
-        if found:
-            raise NonReplayableRandomnessError(
-                f"RecomputeBlock '{self.name}': the wrapped layers use stateful TensorFlow "
-                f"random ops, which the recompute cannot replay: {', '.join(found[:5])}"
-                f"{' ...' if len(found) > 5 else ''}. Their gradients would be silently "
-                "wrong. Draw random numbers with `keras.random.*(..., seed=<a "
-                "keras.random.SeedGenerator owned by the layer>)` or TensorFlow's "
-                "stateless ops (`tf.random.stateless_*`), or keep that layer out of the block."
-            )
+    def _reject_randomness(self, found: list[str]) -> None:
+        raise NonReplayableRandomnessError(
+            f"RecomputeBlock '{self.name}': the wrapped layers use stateful TensorFlow "
+            f"random ops, which the recompute cannot replay: {', '.join(found[:5])}"
+            f"{' ...' if len(found) > 5 else ''}. Their gradients would be silently "
+            "wrong. Draw random numbers with `keras.random.*(..., seed=<a "
+            "keras.random.SeedGenerator owned by the layer>)` or TensorFlow's "
+            "stateless ops (`tf.random.stateless_*`), or keep that layer out of the block."
+        )
 
     # ------------------------------------------------------------- shapes
 
@@ -422,6 +505,8 @@ class RecomputeBlock(keras.layers.Layer):
         # Traced, not derived from compute_output_shape: the outputs have the
         # dtypes of the inner layers, not the block's own compute dtype.
         kwargs.pop("training", None)
+        routed = [kwargs.pop(name, None) for name in _ROUTED]
+        args, kwargs = _unroute(args, kwargs, *routed)
         return compute_output_spec(self._run_inner, inputs, *args, training=False, **kwargs)
 
     def compute_output_shape(self, input_shape: Any, *args: Any, **kwargs: Any) -> Any:

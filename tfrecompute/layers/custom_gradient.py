@@ -1,22 +1,30 @@
-"""The custom gradient of a block: `recompute_grad`, whose gradient is itself differentiable.
+"""The gradient primitive of a block: `attach_gradient`, and the ordering guards of a recompute.
 
 NOTE [ Why not tf.recompute_grad ]
 `tf.recompute_grad` wraps its gradient function in a second
 `tf.custom_gradient` whose own gradient raises `NotImplementedError`
 ("recompute_grad tried to transpose grad of ..."). TensorFlow reaches that
-second level for
+second level for higher-order gradients (a gradient penalty differentiates
+the gradient), for `tf.saved_model.save` of a function that takes gradients
+through the block, and for forward-mode autodiff. A block's gradient function
+is plain TensorFlow (a recompute under a local tape, and that tape's
+gradient), so an enclosing tape records it and can differentiate it again.
+Forward mode still cannot transpose it (see NOTE [ Forward-mode autodiff ] in
+`block.py`: a block runs plainly under an accumulator).
 
-1. higher-order gradients: a gradient penalty differentiates the gradient;
-2. `tf.saved_model.save` of a function that takes gradients through the
-   block: SavedModel traces the gradient of every custom gradient it finds;
-3. forward-mode autodiff: `tf.autodiff.ForwardAccumulator` transposes the
-   gradient function to get a JVP.
-
-The gradient function below is plain TensorFlow (a recompute under a local
-tape, and that tape's gradient), so an enclosing tape records it and can
-differentiate it again: cases 1 and 2 then give the same numbers as the layers
-unwrapped. Case 3 still cannot be transposed (see NOTE [ Forward-mode
-autodiff ] in `block.py`: a block runs plainly under an accumulator).
+NOTE [ Why not tf.custom_gradient ]
+`tf.custom_gradient` fixes the inputs of the operation before its function
+runs, and a block learns what it must differentiate only by running its
+forward: the tensors the wrapped code captures (closes over), the variables it
+reads directly. It also asks for every input and variable gradient at once,
+so outputs without an incoming gradient are given zeros, and in graph mode it
+registers each gradient function in TensorFlow's global registry, which keeps
+the function's closure (and the graph tensors it holds) alive for the life of
+the process. `attach_gradient` records an operation whose inputs are chosen
+after the forward, and in a graph gives the op its own gradient function,
+which lives as long as the op's graph. A SavedModel does not save such a
+gradient function: a restored function differentiates through the forward's
+own ops (the same numbers, without the recompute).
 """
 
 from __future__ import annotations
@@ -26,12 +34,12 @@ from typing import Any
 
 import tensorflow as tf
 
-from tfrecompute._keras_internals import stop_recording
+from tfrecompute._keras_internals import identity_n_gradient, record_operation, stop_recording
 
-__all__ = ["depend_on", "recompute_grad"]
+__all__ = ["after", "attach_gradient", "depend_on"]
 
 
-def _after(gradient: tf.Tensor) -> tf.Tensor:
+def after(gradient: tf.Tensor) -> tf.Tensor:
     """A zero that depends on the value of `gradient`.
 
     XLA ignores control dependencies, so without a data dependency on the
@@ -57,75 +65,38 @@ def depend_on(value: Any, after: tf.Tensor | None) -> Any:
     return value
 
 
-def recompute_grad(fn: Callable[..., Sequence[tf.Tensor]]) -> Callable[..., list[tf.Tensor]]:
-    """Returns `fn` checkpointed: its activations are recomputed in backprop.
+def attach_gradient(
+    values: Sequence[tf.Tensor],
+    inputs: Sequence[tf.Tensor],
+    backward: Callable[..., Sequence[Any]],
+    *,
+    op_type: str = "RecomputeBlock",
+) -> list[tf.Tensor]:
+    """Returns tensors equal to `values` whose gradient with respect to `inputs` is `backward`.
 
-    `fn` takes floating tensors positionally and returns a list of floating
-    tensors. Its forward runs without recording on any tape; when a gradient
-    reaches the outputs, `fn` runs again on the same inputs under a local tape
-    and that tape's gradient is returned. Variables `fn` reads get their
-    gradients as with `tf.custom_gradient`.
+    `backward(*grads)` gets one gradient per returned tensor and returns one
+    gradient (or None) per input. Nothing connects the returned tensors to
+    how `values` were computed: backprop reaches `inputs` only through
+    `backward`. Eagerly the operation is recorded on the tapes that watch an
+    input; in a graph it is an `IdentityN` op whose gradient function is
+    `backward` (for gradients built from the graph, e.g. of a `tf.function`
+    called under an eager tape, or of a `tf.while_loop` body), recorded on the
+    graph's tapes as well.
 
-    In graph mode the recompute is called as `fn(*inputs, after=zero)`, where
-    `zero` is a float scalar 0 that depends on the incoming gradient (the
-    forward is called with `after=None`). The inputs already depend on it;
-    `fn` must make every other tensor it captured (integer ids, masks, the
-    replayed random seeds) depend on it too. Otherwise TensorFlow's common
-    subexpression elimination merges the recompute of those ops with the
-    forward's, and keeps their activations alive from the forward on: a block
-    whose inputs are all integer token ids saved no memory at all (measured:
-    560 MiB against 376 MiB for a 4-layer encoder at batch 256).
-
-    Args:
-        fn: the function to checkpoint. It must compute the same values when
-            called again (the caller replays randomness and state).
-
-    Returns:
-        A function with the signature of `fn`.
+    See NOTE [ Why not tf.custom_gradient ] above.
     """
-
-    @tf.custom_gradient
-    def checkpointed(*args: tf.Tensor) -> Any:
+    values, inputs = list(values), list(inputs)
+    if tf.executing_eagerly():
         with stop_recording():
-            result = list(fn(*args, after=None))
+            outputs = [tf.identity(v) for v in values]
+    else:
+        count = len(values)
 
-        def gradient(*result_grads: tf.Tensor, variables: Sequence[Any] | None = None) -> Any:
-            variables = list(variables or [])
-            # Outputs with no incoming gradient are left out of the targets
-            # rather than given zeros_like(output): that would keep the
-            # forward's outputs alive until backprop, just for their shapes.
-            connected = [i for i, g in enumerate(result_grads) if g is not None]
-            with tf.GradientTape() as tape:
-                inputs = [tf.identity(a) for a in args]
-                dependency = None
-                if not tf.executing_eagerly() and connected:
-                    dependency = _after(result_grads[connected[0]])
-                    inputs = [a + tf.cast(dependency, a.dtype) for a in inputs]
-                tape.watch(inputs)
-                tape.watch(variables)
-                recomputed = list(fn(*inputs, after=dependency))
-            grads = tape.gradient(
-                [recomputed[i] for i in connected],
-                inputs + variables,
-                output_gradients=[result_grads[i] for i in connected],
-                unconnected_gradients=tf.UnconnectedGradients.ZERO,
-            )
-            if variables and not tf.executing_eagerly():
-                # NOTE [ Variable gradients wait for the whole backward ]
-                # An optimizer in the same graph updates a variable as soon as
-                # its gradient exists. Released early, a block's variable
-                # gradients let an update reach a read of the block's backward,
-                # single or nested: freshly traced train steps then sometimes
-                # trained differently from the unwrapped layers, never when the
-                # updates ran after the gradient function (test_block.py
-                # test_variable_updates_in_the_same_step_do_not_reach_the_
-                # recompute). So they are released once every gradient of the
-                # block is computed; a segment holds them through its backward
-                # (the memory model counts that: `Chain.applied_grad_bytes`).
-                with tf.control_dependencies(grads):
-                    grads = grads[: len(inputs)] + [tf.identity(g) for g in grads[len(inputs) :]]
-            return grads[: len(inputs)], grads[len(inputs) :]
+        def graph_gradient(op: tf.Operation, *grads: Any) -> list[Any]:
+            return [None] * count + list(backward(*grads[:count]))
 
-        return result, gradient
-
-    return checkpointed
+        graph = tf.compat.v1.get_default_graph()
+        with stop_recording(), identity_n_gradient(graph, graph_gradient):
+            outputs = list(tf.identity_n(values + inputs)[:count])
+    record_operation(op_type, outputs, inputs, backward)
+    return outputs
