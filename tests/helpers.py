@@ -244,3 +244,18 @@ def highest_requested_trace(model: Any, x: Any, y: Any, *, traces: int = 2) -> A
 
     steps = [tfrecompute.trace_step(model, x, y, warmup=1) for _ in range(traces)]
     return max(steps, key=lambda trace: trace.requested_peak_bytes)
+
+
+def median_requested_peak(model: Any, x: Any, y: Any, *, traces: int = 3) -> int:
+    """The median requested peak of `traces` traced steps (`tfrecompute.trace_step`).
+
+    A step's requested peak moves with the order TensorFlow's inter-op threads
+    run ops in, more so on a loaded machine (a U-Net's moved by a fifth); the
+    median of a few is the figure to compare two models by.
+    """
+    import statistics
+
+    import tfrecompute
+
+    steps = [tfrecompute.trace_step(model, x, y, warmup=1) for _ in range(traces)]
+    return int(statistics.median(trace.requested_peak_bytes for trace in steps))

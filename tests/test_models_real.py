@@ -15,7 +15,7 @@ import pytest
 
 import tfrecompute
 from tests import models_zoo
-from tests.helpers import assert_same_training, highest_requested_trace
+from tests.helpers import assert_same_training, median_requested_peak
 from tfrecompute import RecomputeBlock, strategies
 
 pytestmark = pytest.mark.slow
@@ -81,15 +81,15 @@ def test_sqrt_rewrite_fits_in_less_memory(real):
     rewritten.fit(x, y, batch_size=BATCH // 2, epochs=1, verbose=0)
     # Requested peaks, since the allocator's rounding moves a CNN's measured
     # peak by up to about a third from step to step (U-Net: sqrt at 0.64x to
-    # 0.92x of storing everything over three runs, requested 0.67x each time).
-    plain = highest_requested_trace(model, x, y)
-    blocked = highest_requested_trace(rewritten, x, y)
-    assert blocked.requested_peak_bytes <= 0.75 * plain.requested_peak_bytes, (
-        name,
-        blocked.summary(),
-        plain.summary(),
-    )
-    assert blocked.peak_bytes < plain.peak_bytes, (name, blocked.summary(), plain.summary())
+    # 0.92x of storing everything over three runs), and medians of three
+    # traces, since the order ops run in moves even those (U-Net, with other
+    # jobs on the machine: 0.58x to 0.80x single traces, 0.67x the medians).
+    plain = median_requested_peak(model, x, y)
+    blocked = median_requested_peak(rewritten, x, y)
+    assert blocked <= 0.75 * plain, (name, blocked, plain)
+    plain_step = tfrecompute.measure_step(model, x, y, steps=3)
+    blocked_step = tfrecompute.measure_step(rewritten, x, y, steps=3)
+    assert blocked_step.peak_bytes < plain_step.peak_bytes, (name, blocked_step, plain_step)
 
 
 def test_generous_budget_recomputes_nothing(real):
