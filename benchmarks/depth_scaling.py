@@ -28,15 +28,18 @@ plan without segments) is compiled with SGD and MSE and measured as
 `tfrecompute.measure_step` does (`_report.measure_steps`: one warm-up step,
 then `--steps` steps: the largest peak the step added and the median step time,
 in wall time, `time.perf_counter()`, and in CPU time, `time.process_time()`,
-all threads of the process). All plans of one L run side by side in one fresh
-process, so the allocator's state after earlier depths does not shape the
-peaks; the peak reported is that of each plan's first measurement. Then
-`--rounds - 1` more measurements take turns between the plans; a plan's time is
+all threads of the process). Each plan's memory is measured in a fresh
+process of its own, so that neither earlier depths nor the other plans leave
+the allocator in a state that shapes its peak (a plan measured after the two
+others in one process once peaked at 2x its own fresh-process peak). Its time
+is measured with all plans of one L side by side in one more fresh process:
+`--rounds` measurements take turns between the plans; a plan's time is
 reported as the median over the rounds of its step time divided by that of
 `none` in the same round (plans of one round ran close in time, so a burst of
 load from other processes slows them alike), since an absolute time says little
 on a shared machine; the CPU-time ratio is steadier than the wall-time one. The
-JSON also keeps every round's times.
+JSON also keeps every round's times, and the peaks of those shared-process
+rounds beside the fresh-process one.
 
 Then the growth exponent k of peak ~ c * L^k is fitted per plan by least squares
 on log(peak) against log(L), for the measured and for the predicted peaks, over
@@ -121,9 +124,14 @@ def fit_exponent(depths: Sequence[float], values: Sequence[float]) -> float:
 
 
 def measure_depth(
-    depth: int, width: int, batch_size: int, steps: int, rounds: int
+    depth: int,
+    width: int,
+    batch_size: int,
+    steps: int,
+    rounds: int,
+    variants: Sequence[str] = VARIANTS,
 ) -> dict[str, Any]:
-    """Plans and measures none, sqrt and optimal for one depth (run in a worker process)."""
+    """Plans and measures `variants` for one depth (run in a worker process)."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     sys.path.insert(0, str(ROOT))  # this checkout's tfrecompute, not an installed one
     import keras
@@ -153,8 +161,8 @@ def measure_depth(
         return lambda times: _report.measure_steps(rewritten, x, y, times, steps=steps)
 
     plans, turns, first = [], [], []
-    times = [_report.StepTimes() for _ in VARIANTS]
-    for variant, variant_times in zip(VARIANTS, times):
+    times = [_report.StepTimes() for _ in variants]
+    for variant, variant_times in zip(variants, times):
         plan = tfrecompute.plan(
             model,
             variant,
@@ -172,7 +180,7 @@ def measure_depth(
     # processes slows the plans of one round alike.
     later = _report.interleaved_rounds(turns, times, rounds=rounds - 1)
     rows = []
-    for variant, plan, variant_times, peaks, more in zip(VARIANTS, plans, times, first, later):
+    for variant, plan, variant_times, peaks, more in zip(variants, plans, times, first, later):
         peaks += more
         peak = peaks[0]  # the first run of each plan: its memory is reported
         wall, cpu = variant_times.wall_per_round(), variant_times.cpu_per_round()
@@ -212,12 +220,26 @@ def measure_depth(
 
 
 def run_in_subprocess(
-    depth: int, width: int, batch_size: int, steps: int, rounds: int
+    depth: int, width: int, batch_size: int, steps: int, rounds: int, variants: Sequence[str]
 ) -> dict[str, Any]:
     """Runs `measure_depth` in a fresh Python process and returns its result."""
     args = [f"--worker={depth}", f"--width={width}", f"--batch-size={batch_size}"]
-    args += [f"--steps={steps}", f"--rounds={rounds}"]
+    args += [f"--steps={steps}", f"--rounds={rounds}", f"--variants={','.join(variants)}"]
     return _report.run_worker(Path(__file__).resolve(), args, timeout=900)
+
+
+def measure_in_fresh_processes(
+    depth: int, width: int, batch_size: int, steps: int, rounds: int
+) -> dict[str, Any]:
+    """Times all plans side by side in one process, and each plan's memory alone in its own."""
+    result = run_in_subprocess(depth, width, batch_size, steps, rounds, VARIANTS)
+    for row in result["rows"]:
+        alone = run_in_subprocess(depth, width, batch_size, steps, 1, [row["variant"]])
+        peak = alone["rows"][0]["measured_bytes"]
+        row["measured_bytes_shared_rounds"] = row.pop("measured_bytes_rounds")
+        row["measured_bytes"] = peak
+        row["error"] = row["predicted_bytes"] / peak - 1 if peak else None
+    return result
 
 
 def exponents(results: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
@@ -265,9 +287,9 @@ def markdown(report: dict[str, Any]) -> str:
         f"Model: `keras.Sequential` of L `Dense({settings['width']}, tanh)` at batch "
         f"{settings['batch_size']} ({format(results[0]['activation_bytes'] / MiB, '.2f')} MiB "
         "per activation); one compiled SGD training step measured as `measure_step` does "
-        f"(memory: the largest of {settings['steps']} steps after a warm-up, in the first of "
-        f"{settings['rounds']} rounds taking turns), each L in a fresh process with its "
-        "three plans side by side. `optimal` budget: min(2 x least feasible peak, "
+        f"(memory: the largest of {settings['steps']} steps after a warm-up, each plan in a "
+        f"fresh process; time: {settings['rounds']} rounds taking turns, each L's plans side "
+        "by side in one more fresh process). `optimal` budget: min(2 x least feasible peak, "
         "peak of storing everything). Error = predicted / measured - 1; time x none = median "
         "over the rounds of the median step time / that of `none` in the same round, in CPU "
         "time (`time.process_time()`, all threads) and in wall time; "
@@ -358,6 +380,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=None, help="measured steps per plan")
     parser.add_argument("--rounds", type=int, default=None, help="timing rounds per plan")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     defaults = SMOKE if args.smoke else FULL
@@ -367,13 +390,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     steps = args.steps or defaults["steps"]
     rounds = args.rounds or defaults["rounds"]
     if args.worker is not None:
-        print(json.dumps(measure_depth(args.worker, width, batch_size, steps, rounds)))
+        variants = args.variants.split(",")
+        print(json.dumps(measure_depth(args.worker, width, batch_size, steps, rounds, variants)))
         return {}
 
     out = _report.output_dir(args.out, smoke=args.smoke, name="depth_scaling")
 
     start = time.perf_counter()
-    results = [run_in_subprocess(depth, width, batch_size, steps, rounds) for depth in depths]
+    results = [
+        measure_in_fresh_processes(depth, width, batch_size, steps, rounds) for depth in depths
+    ]
     report: dict[str, Any] = {
         "machine": {**_report.machine(), **_report.versions("tensorflow", "keras")},
         "smoke": args.smoke,

@@ -34,8 +34,11 @@ gradients of one batch (under `tf.function`, in training mode) and the
 no-recompute model's. Where a variant cannot take a graph-mode gradient, the
 gradient is taken eagerly and compared with the eager reference. A variant
 that fails is reported with the exception type and the first lines of its
-message; the others still run. Each model runs in a fresh process, so the
-allocator state of one model does not shape the peaks of the next.
+message; the others still run. Each model runs in a fresh process, and the
+peak of each variant whose step ran is measured again in a process of its own
+(reported; the shared process's peak stays in the JSON), so that neither
+another model nor another variant leaves the allocator in a state that shapes
+it.
 """
 
 from __future__ import annotations
@@ -435,10 +438,55 @@ def measure(name: str, config_name: str) -> dict[str, Any]:
     return {"model": name, "config": config, "links": links, "rows": rows}
 
 
+def measure_alone(name: str, config_name: str, variant: str) -> dict[str, Any]:
+    """One variant's step peak, measured in a process that built nothing else."""
+    config = CONFIGS[config_name][name]
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    sys.path.insert(0, str(ROOT))
+    import warnings
+
+    import tfrecompute
+    from tests.models_zoo import synthetic_batch
+
+    warnings.filterwarnings("ignore", message=".*RematScope at call time.*")
+    _fresh()
+    probe = build(name, config)
+    layer_names = largest_layers(name, probe)
+    x, y = synthetic_batch(probe, config["batch"], seed=SEED)
+    del probe
+    _fresh()
+    model, _, scope = _make(variant, name, config, layer_names)
+    with scope:
+        model.compile(optimizer="sgd", loss="mse")
+        step = tfrecompute.measure_step(model, x, y)
+    return {"model": name, "variant": variant, "peak_bytes": step.peak_bytes}
+
+
 def run_in_subprocesses(names: Sequence[str], config_name: str, jobs: int) -> list[dict[str, Any]]:
-    """Runs `measure` for each model in a fresh Python process, `jobs` at a time."""
+    """Runs `measure` for each model in a fresh Python process, `jobs` at a time; then
+    `measure_alone` for each variant whose step ran, and reports that peak."""
+    script = Path(__file__).resolve()
     tasks = [["--worker", name, "--config", config_name] for name in names]
-    return _report.run_workers(Path(__file__).resolve(), tasks, jobs=jobs, timeout=1800)
+    results = _report.run_workers(script, tasks, jobs=jobs, timeout=1800)
+    rows = {
+        (result["model"], row["variant"]): row
+        for result in results
+        for row in result["rows"]
+        if row["peak_bytes"] is not None
+    }
+    tasks = [
+        ["--worker", name, "--config", config_name, "--alone", variant] for name, variant in rows
+    ]
+    for alone in _report.run_workers(script, tasks, jobs=jobs, timeout=1800):
+        row = rows[alone["model"], alone["variant"]]
+        row["peak_bytes_shared_process"] = row["peak_bytes"]
+        row["peak_bytes"] = alone["peak_bytes"]
+    for result in results:
+        none = result["rows"][0]
+        for row in result["rows"]:
+            if row["peak_bytes"] is not None and none["peak_bytes"]:
+                row["memory_ratio"] = row["peak_bytes"] / none["peak_bytes"]
+    return results
 
 
 # --------------------------------------------------------------------- report
@@ -474,7 +522,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"Machine: {info['platform']}, {info['processor']}, {info['cpu_count']} CPUs; "
         f"Python {info['python']}, tensorflow {found['tensorflow']}, keras {found['keras']}. "
         f"Config `{report['config']}`; each model in a fresh process, all its variants in that "
-        "process, each variant a fresh model with the same seed. Runtime "
+        "process, each variant a fresh model with the same seed; each variant's step MiB "
+        "measured again in a fresh process of its own. Runtime "
         f"{report['seconds']:.0f} s.",
         "",
         "Step MiB: the peak one compiled training step added (`tfrecompute.measure_step`, "
@@ -536,7 +585,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--worker", choices=MODELS, help=argparse.SUPPRESS)
     parser.add_argument("--config", choices=sorted(CONFIGS), help=argparse.SUPPRESS)
+    parser.add_argument("--alone", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.worker and args.alone:
+        print(json.dumps(measure_alone(args.worker, args.config, args.alone)))
+        return {}
     if args.worker:
         print(json.dumps(measure(args.worker, args.config)))
         return {}

@@ -56,6 +56,9 @@ def test_smoke_run_writes_results(tmp_path: Path) -> None:
         assert [row["variant"] for row in result["rows"]] == ["none", "sqrt", "optimal"]
         for row in result["rows"]:
             assert row["measured_bytes"] > 0, (result["depth"], row)
+            # Memory from a process of its own; the timing process's peaks kept beside it.
+            assert len(row["measured_bytes_shared_rounds"]) == 2
+            assert row["error"] == pytest.approx(row["predicted_bytes"] / row["measured_bytes"] - 1)
             assert row["predicted_bytes"] > 0, (result["depth"], row)
             assert row["seconds"] > 0 and row["time_ratio"] > 0
             assert row["cpu_seconds"] > 0 and row["cpu_time_ratio"] > 0

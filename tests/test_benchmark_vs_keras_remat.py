@@ -61,6 +61,9 @@ def test_tfrecompute_rows_run_with_exact_gradients(smoke: tuple[dict, str], mode
         assert row["error"] is None and row["fit_graph"] is True, row
         assert row["peak_bytes"] > 0 and row["seconds"] > 0 and row["time_ratio"] > 0, row
         assert row["cpu_seconds"] > 0 and row["cpu_time_ratio"] > 0, row
+        # Step MiB from a process that built only this variant; the shared one's kept.
+        assert row["peak_bytes_shared_process"] > 0, row
+        assert row["memory_ratio"] == row["peak_bytes"] / rows["none"]["peak_bytes"], row
         # graph mode, same weights and dropout seeds as the no-recompute model
         assert row["grad_mode"] == "graph" and row["grad_max_diff"] < 1e-5, row
     assert rows["none"]["memory_ratio"] == rows["none"]["time_ratio"] == 1.0
