@@ -26,6 +26,7 @@ from tfrecompute.errors import NonReplayableRandomnessError
 from tfrecompute.layers.debug import debug_enabled
 from tfrecompute.layers.dtypes import block_dtype_findings
 from tfrecompute.layers.frame import RecomputeFrame, in_block_forward, is_float_tensor
+from tfrecompute.layers.policy import boundary, resolve_policy
 from tfrecompute.layers.state import RecordingStatelessScope
 
 __all__ = ["RecomputeBlock"]
@@ -223,10 +224,12 @@ class RecomputeBlock(keras.layers.Layer):
         self,
         layers: keras.layers.Layer | Sequence[keras.layers.Layer],
         *,
+        policy: Any = None,
         debug: bool = False,
         **kwargs: Any,
     ):
         inner = _check_layers(layers)
+        resolved = resolve_policy("RecomputeBlock", policy)
         debug = as_bool(
             "RecomputeBlock",
             "debug",
@@ -240,6 +243,8 @@ class RecomputeBlock(keras.layers.Layer):
         self._single = isinstance(layers, keras.layers.Layer)
         self.inner = inner
         self.debug = debug
+        self.policy = policy
+        self._recompute_policy = resolved
         # The block hands masks to its first layer and attaches the masks its
         # layers compute to its outputs; each inner layer warns for itself
         # when it drops a mask.
@@ -352,6 +357,12 @@ class RecomputeBlock(keras.layers.Layer):
         **kwargs: Any,
     ) -> Any:
         args, kwargs = _unroute(args, kwargs, _tensor_kwargs, _python_kwargs, _python_args)
+        with boundary():  # what runs inside is this block's (NOTE [ Recompute policies ])
+            return self._call(inputs, args, kwargs, training, mask)
+
+    def _call(
+        self, inputs: Any, args: tuple[Any, ...], kwargs: dict[str, Any], training: Any, mask: Any
+    ) -> Any:
         if (args or kwargs) and not self._single:
             raise TypeError(
                 f"RecomputeBlock '{self.name}': extra call arguments go to a single "
@@ -374,6 +385,7 @@ class RecomputeBlock(keras.layers.Layer):
             state_variables=self._state_variables(),
             loop_weights=list(self.trainable_variables) if in_loop else [],
             debug=self.debug or debug_enabled(),
+            policy=self._recompute_policy,
         )
         watched = should_record_backprop(frame.own_sources())
         if self.trainable_variables or in_loop or watched:
