@@ -40,6 +40,7 @@ ORDER = [
     "tfrecompute.layers.debug",
     "tfrecompute.layers.watch",
     "tfrecompute.layers.backward",
+    "tfrecompute.layers.policy",
     "tfrecompute.layers.tree",
     "tfrecompute.layers.dtypes",
     "tfrecompute.layers.frame",

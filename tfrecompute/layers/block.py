@@ -26,7 +26,12 @@ from tfrecompute.errors import NonReplayableRandomnessError
 from tfrecompute.layers.debug import debug_enabled
 from tfrecompute.layers.dtypes import block_dtype_findings
 from tfrecompute.layers.frame import RecomputeFrame, in_block_forward, is_float_tensor
-from tfrecompute.layers.policy import boundary, resolve_policy
+from tfrecompute.layers.policy import (
+    boundary,
+    deserialize_policy,
+    resolve_policy,
+    serialize_policy,
+)
 from tfrecompute.layers.state import RecordingStatelessScope
 
 __all__ = ["RecomputeBlock"]
@@ -564,7 +569,11 @@ class RecomputeBlock(keras.layers.Layer):
         base_config = super().get_config()
         base_config.pop("autocast", None)
         serialized = [keras.saving.serialize_keras_object(layer) for layer in self.inner]
-        config = {"layers": serialized[0] if self._single else serialized, "debug": self.debug}
+        config = {
+            "layers": serialized[0] if self._single else serialized,
+            "policy": serialize_policy("RecomputeBlock.get_config", self.policy),
+            "debug": self.debug,
+        }
         return {**base_config, **config}
 
     @classmethod
@@ -580,6 +589,7 @@ class RecomputeBlock(keras.layers.Layer):
             )
         config = dict(config)
         layers = config.pop("layers")
+        config["policy"] = deserialize_policy(config.get("policy"), custom_objects)
         if isinstance(layers, list):
             inner: Any = [
                 keras.saving.deserialize_keras_object(c, custom_objects=custom_objects)

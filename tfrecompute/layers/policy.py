@@ -64,7 +64,10 @@ __all__ = [
     "boundary",
     "dots",
     "nothing",
+    "deserialize_policy",
+    "policy_name",
     "resolve_policy",
+    "serialize_policy",
 ]
 
 DOT_KINDS = frozenset(
@@ -125,7 +128,7 @@ _NAMED: dict[str, Policy] = {"nothing": nothing, "dots": dots}
 
 
 def resolve_policy(api: str, policy: Any) -> Policy | None:
-    """The policy function for `policy` (None, "nothing", "dots" or a callable); None for nothing."""
+    """The function of `policy` (None, "nothing", "dots" or a callable); None for "nothing"."""
     if policy is None:
         return None
     if isinstance(policy, str):
@@ -165,6 +168,30 @@ def policy_name(policy: Any) -> str:
     if isinstance(policy, str):
         return policy
     return getattr(policy, "__name__", type(policy).__name__)
+
+
+def serialize_policy(api: str, policy: Any) -> Any:
+    """`policy` for a layer config: a name, None, or a registered function serialized by Keras."""
+    if policy is None or isinstance(policy, str):
+        return policy
+    name = keras.saving.get_registered_name(policy)
+    if keras.saving.get_registered_object(name) is not policy:
+        fail(
+            api,
+            "a callable recompute policy can be saved only as a registered Keras object",
+            "policy",
+            policy,
+            "Decorate the function with @keras.saving.register_keras_serializable(), "
+            "or use a policy name ('dots')",
+        )
+    return keras.saving.serialize_keras_object(policy)
+
+
+def deserialize_policy(config: Any, custom_objects: Any = None) -> Any:
+    """The inverse of `serialize_policy`."""
+    if config is None or isinstance(config, str):
+        return config
+    return keras.saving.deserialize_keras_object(config, custom_objects=custom_objects)
 
 
 # ------------------------------------------------------------ the scopes
@@ -370,7 +397,9 @@ class _Product:
         return f"{id(self.original)}:{self.positions}:{self.static!r}"
 
 
-def _vjp(product: _Product, floats: tuple[int, ...], tensors: list[tf.Tensor], gradient: Any) -> list[Any]:
+def _vjp(
+    product: _Product, floats: tuple[int, ...], tensors: list[tf.Tensor], gradient: Any
+) -> list[Any]:
     """The VJP of `product` at `tensors` for the floating ones (its product is left unread)."""
     with tf.GradientTape() as tape:
         watched = [tensors[i] for i in floats]
@@ -390,6 +419,7 @@ def _eager_vjp(product: _Product, floats: tuple[int, ...]) -> Any:
     """
     key = (product.key(), floats)
     if key not in _EAGER_VJPS:
+
         @tf.function(autograph=False, reduce_retracing=True)
         def vjp(tensors: list[tf.Tensor], gradient: tf.Tensor) -> list[Any]:
             return _vjp(product, floats, list(tensors), gradient)
