@@ -25,6 +25,7 @@ from tfrecompute.costs import (
     profiled_model,
     traced_graph,
 )
+from tfrecompute.layers.policy import resolve_policy
 from tfrecompute.rewrite import rewrite
 
 __all__ = ["plan", "recompute"]
@@ -211,6 +212,7 @@ def recompute(
     headroom: float | None = None,
     depth: int | None = None,
     where: Any = None,
+    policy: Any = None,
 ) -> keras.Model:
     """A checkpointed model: the plan's calls recomputed in backprop, in `RecomputeBlock`s.
 
@@ -233,6 +235,12 @@ def recompute(
 
     Args:
         model: a built Keras model: Sequential, Functional or subclassed.{shared}
+        policy: the recompute policy of the blocks (see `RecomputeBlock`):
+            None or "nothing" (recompute all), "dots" (keep the products with
+            a weight), or a function of a `tfrecompute.layers.OpInfo`. Every
+            block gets it, except where the plan's segments say otherwise
+            (`Plan.selective`, from a strategy that planned with the policy's
+            costs).
     Returns:
         The checkpointed model.
 
@@ -253,8 +261,10 @@ def recompute(
         "depth": depth,
         "where": where,
     }
+    resolve_policy("recompute", policy)
     chosen, profiled = _resolve_plan("recompute", model, strategy, options)
-    return rewrite(profiled.graph, profiled.call_segments(chosen.segments))
+    segments = profiled.call_segments(chosen.segments)
+    return rewrite(profiled.graph, segments, policies=[policy] * len(segments))
 
 
 plan.__doc__ = (plan.__doc__ or "").replace("{shared}", _SHARED_ARGS.rstrip() + "\n")

@@ -1,0 +1,69 @@
+"""recompute(model, ..., policy=...): the blocks it builds keep what the policy says."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfrecompute
+from tests import any_models, models_zoo
+from tests.helpers import MODES, assert_same_training
+from tests.test_errors import CONVENTION, _own_message
+from tfrecompute import RecomputeBlock
+from tfrecompute.layers import in_place
+
+
+def _blocks(model):
+    return [layer for layer in model._flatten_layers() if isinstance(layer, RecomputeBlock)]
+
+
+def _same_training(model, rewritten, inputs, mode):
+    def run(m):
+        return lambda x, training=None: m(x, training=training)
+
+    assert_same_training(
+        run(rewritten),
+        run(model),
+        inputs,
+        model.trainable_variables,
+        model.non_trainable_variables,
+        mode,
+        atol=1e-5,
+    )
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_sequential_rewrite_gives_every_block_the_policy(mode):
+    model = models_zoo.tanh_mlp(depth=6, width=16)
+    rewritten = tfrecompute.recompute(model, "sqrt", policy="dots")
+    blocks = _blocks(rewritten)
+    assert len(blocks) >= 2 and all(b.policy == "dots" for b in blocks)
+    x = tf.constant(np.random.default_rng(0).normal(size=(4, 16)).astype("float32"))
+    _same_training(model, rewritten, [x], mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_functional_encoder_rewrite_under_dots_trains_as_the_original(mode):
+    keras.utils.set_random_seed(0)
+    model = models_zoo.transformer_encoder(layers=2, sequence=8, hidden=16, heads=2)
+    rewritten = tfrecompute.recompute(model, "uniform:4", policy="dots")
+    blocks = _blocks(rewritten)
+    assert blocks and all(b.policy == "dots" for b in blocks)
+    ids = tf.constant(np.random.default_rng(0).integers(0, 100, (2, 8)).astype("int32"))
+    _same_training(model, rewritten, [ids], mode)
+
+
+def test_in_place_checkpoints_get_the_policy():
+    model, (ids, _) = any_models.loop_transformer(layers=2, hidden=16, sequence=8, batch=2)
+    tfrecompute.recompute(model, sample=ids, policy="dots")
+    placed = [b for b in in_place._blocks.values() if b.inner[0] in model._flatten_layers()]
+    assert placed and all(b.policy == "dots" for b in placed)
+
+
+def test_a_malformed_policy_is_rejected_before_planning():
+    model = models_zoo.tanh_mlp(depth=2, width=8)
+    with pytest.raises(ValueError, match=r"^recompute: unknown recompute policy") as info:
+        tfrecompute.recompute(model, "sqrt", policy="everything")
+    assert CONVENTION.match(_own_message(info.value))
