@@ -26,6 +26,7 @@ ORDER = [
     "tfrecompute.strategies.simulate",
     "tfrecompute.strategies.plan",
     "tfrecompute.strategies._solver",
+    "tfrecompute.strategies._selective",
     "tfrecompute.strategies.basic",
     "tfrecompute.strategies.optimize",
     "tfrecompute.strategies.headroom",
