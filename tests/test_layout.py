@@ -52,6 +52,7 @@ ORDER = [
     "tfrecompute.trace",
     "tfrecompute.expand",
     "tfrecompute.call_costs",
+    "tfrecompute.policy_costs",
     "tfrecompute.costs",
     "tfrecompute.rewrite",
     "tfrecompute.models",

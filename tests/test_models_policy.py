@@ -57,7 +57,7 @@ def test_a_functional_encoder_rewrite_under_dots_trains_as_the_original(mode):
 
 def test_in_place_checkpoints_get_the_policy():
     model, (ids, _) = any_models.loop_transformer(layers=2, hidden=16, sequence=8, batch=2)
-    tfrecompute.recompute(model, sample=ids, policy="dots")
+    tfrecompute.recompute(model, "uniform:1", sample=ids, policy="dots")
     placed = [b for b in in_place._blocks.values() if b.inner[0] in model._flatten_layers()]
     assert placed and all(b.policy == "dots" for b in placed)
 
@@ -67,3 +67,39 @@ def test_a_malformed_policy_is_rejected_before_planning():
     with pytest.raises(ValueError, match=r"^recompute: unknown recompute policy") as info:
         tfrecompute.recompute(model, "sqrt", policy="everything")
     assert CONVENTION.match(_own_message(info.value))
+
+
+def test_profile_with_a_policy_measures_the_kept_products():
+    keras.utils.set_random_seed(0)
+    model = models_zoo.transformer_encoder(layers=1, sequence=8, hidden=16, heads=2)
+    chain = tfrecompute.profile(model, batch_size=4, policy="dots")
+    plain = tfrecompute.profile(model, batch_size=4)
+    assert plain.policy_kept_bytes is None and chain.has_policy
+    kept = dict(zip(chain.names, chain.policy_kept_bytes))
+    cost = dict(zip(chain.names, chain.policy_forward_cost))
+    attention = next(name for name in chain.names if "multi_head_attention" in name)
+    dense = next(name for name in chain.names if name.startswith("dense") and "+" not in name)
+    # q, k, v and the output projection: four (4, 8, 16) float32 products.
+    assert kept[attention] == 4 * 4 * 8 * 16 * 4
+    assert kept[dense] in (4 * 8 * 64 * 4, 4 * 8 * 16 * 4)
+    # Links without a weight product keep nothing and cost their whole forward.
+    for name, forward in zip(chain.names, chain.forward_cost):
+        if "dropout" in name and "+" not in name:
+            assert kept[name] == 0 and cost[name] == forward
+    assert cost[attention] < dict(zip(chain.names, chain.forward_cost))[attention]
+
+
+def test_recompute_applies_the_plans_selective_segments():
+    keras.utils.set_random_seed(0)
+    model = models_zoo.transformer_encoder(layers=2, sequence=32, hidden=16, heads=2)
+    chain = tfrecompute.profile(model, batch_size=8, policy="dots")
+    chosen = next(p for p in tfrecompute.strategies.frontier(chain) if any(p.selective))
+    rewritten = tfrecompute.recompute(model, chosen, policy="dots")
+    policies = [b.policy for b in _blocks(rewritten)]
+    assert policies == ["dots" if s else None for s in chosen.selective]
+    assert "selective" in chosen.summary()
+    with pytest.raises(ValueError, match="no policy is given") as info:
+        tfrecompute.recompute(model, chosen)
+    assert CONVENTION.match(_own_message(info.value))
+    ids = tf.constant(np.random.default_rng(0).integers(0, 100, (2, 32)).astype("int32"))
+    _same_training(model, rewritten, [ids], "function")
