@@ -199,6 +199,18 @@ class RecomputeBlock(keras.layers.Layer):
     Args:
         layers: one Keras layer, a list of layers applied in order, or a Keras
             Functional model (any number of inputs and outputs).
+        policy: what the forward keeps besides the block's inputs (NOTE
+            [ Recompute policies ] in `policy.py`). None or "nothing": nothing,
+            the whole block is recomputed. "dots": the outputs of the
+            matmuls, einsums and convolutions that take a trainable variable
+            (a `Dense`'s or `Conv2D`'s kernel, attention's projections); the
+            recompute runs only the cheap ops between them. A function
+            `policy(op: tfrecompute.layers.OpInfo) -> bool` decides per
+            product (its kind, whether it takes a weight, its output shape
+            and dtype). Products a layer computes with TensorFlow directly
+            (`tf.linalg.matmul`) are not seen and are recomputed. Saved with
+            the model as a name, or as a function registered with
+            `keras.saving.register_keras_serializable`.
         debug: check in every recompute that it reproduces the values of
             the forward's tensors and fail with an error naming the block if
             not. Slow (the forward's outputs are kept for the comparison);
@@ -222,6 +234,7 @@ class RecomputeBlock(keras.layers.Layer):
     ])
     model.compile(optimizer="adam", loss="mse")
     model.fit(x, y)
+    encoder_layer = tfrecompute.RecomputeBlock(transformer_layer, policy="dots")
     ```
     """
 
