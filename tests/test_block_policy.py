@@ -398,3 +398,29 @@ def test_a_recompute_that_computes_other_products_raises():
     layer.switched = True
     with pytest.raises(RecomputeMismatchError, match="other products than the forward"):
         tape.gradient(y, block.trainable_variables)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_dots_under_mixed_bfloat16_trains_as_unwrapped(mode):
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    try:
+        keras.utils.set_random_seed(0)
+        layers = [keras.layers.Dense(8, activation="gelu"), keras.layers.Dense(8)]
+        block = RecomputeBlock(layers, policy="dots")
+        x = normal((4, 8))
+        block(x)
+
+        def unwrapped(v, training=None):
+            for layer in layers:
+                v = layer(v)
+            return v
+
+        def run(f):
+            return _gradients(
+                lambda v: tf.cast(f(v, training=True), tf.float32), x, block.trainable_variables
+            )
+
+        assert_same_run(run, block, unwrapped, mode, rtol=1e-2)
+    finally:
+        keras.config.set_dtype_policy(previous)
