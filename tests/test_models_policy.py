@@ -125,3 +125,26 @@ def test_the_command_line_plans_with_a_policy(tmp_path, capsys):
     budget = str(int(selective.peak_bytes / 0.7) + 1)
     assert main(["plan", path, "--batch-size", "8", "--policy", "dots", "--budget", budget]) == 0
     assert "selective" in capsys.readouterr().out
+
+
+def test_a_keras_hub_bert_under_dots_trains_as_the_original():
+    keras.utils.set_random_seed(0)
+    model, (x, _) = any_models.bert(layers=2, hidden=32, sequence=16, batch=2)
+    rewritten = tfrecompute.recompute(model, "uniform:3", sample=x, policy="dots")
+    assert {b.policy for b in _blocks(rewritten)} == {"dots"}
+    names = sorted(x)
+    inputs = [tf.constant(x[k]) for k in names]
+
+    def run(m):
+        return lambda *xs, training=None: m(dict(zip(names, xs)), training=training)
+
+    for mode in MODES:
+        assert_same_training(
+            run(rewritten),
+            run(model),
+            inputs,
+            model.trainable_variables,
+            model.non_trainable_variables,
+            mode,
+            atol=1e-5,
+        )

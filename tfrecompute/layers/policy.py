@@ -36,6 +36,7 @@ policy cannot see is recomputed, correctly: a layer calling
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -360,7 +361,8 @@ def _saved(original: Callable[..., Any], args: Any, kwargs: Any, value: tf.Tenso
 
     def backward(gradient: tf.Tensor) -> list[Any]:
         if tf.executing_eagerly():
-            return list(_eager_vjp(product, floats)(tensors, gradient))
+            with _quiet_retracing():
+                return list(_eager_vjp(product, floats)(tensors, gradient))
         return _vjp(product, floats, tensors, gradient)
 
     inputs = [tensors[i] for i in floats]
@@ -411,6 +413,29 @@ def _vjp(
 _EAGER_VJPS: dict[tuple[str, tuple[int, ...]], Any] = {}
 
 
+class _RetracingFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "triggered tf.function retracing" not in record.getMessage()
+
+
+@contextmanager
+def _quiet_retracing() -> Iterator[None]:
+    """Hides TensorFlow's warning that the eager VJPs trace often.
+
+    Each kind of product has its VJP function, traced once per input
+    signature: a bounded number of traces, which TensorFlow's detector of
+    functions made in a loop (it counts by the function's code) reports as
+    "excessive". Only while a VJP is called.
+    """
+    logger = tf.get_logger()
+    quiet = _RetracingFilter()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
 def _eager_vjp(product: _Product, floats: tuple[int, ...]) -> Any:
     """`_vjp` as a `tf.function`, so that eagerly too the product itself is never computed.
 
@@ -420,7 +445,7 @@ def _eager_vjp(product: _Product, floats: tuple[int, ...]) -> Any:
     key = (product.key(), floats)
     if key not in _EAGER_VJPS:
 
-        @tf.function(autograph=False, reduce_retracing=True)
+        @tf.function(autograph=False)
         def vjp(tensors: list[tf.Tensor], gradient: tf.Tensor) -> list[Any]:
             return _vjp(product, floats, list(tensors), gradient)
 
