@@ -258,12 +258,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     if args.worker:
         task = json.loads(args.worker)
-        if task["kind"] == "time":
-            result: Any = measure_time(
-                task["model"], task["sizes"], task["variants"], task["rounds"], task["steps"]
+        result: Any = {}
+        if "variants" in task:
+            result["memory"] = [
+                measure_memory(task["model"], task["sizes"], v) for v in task["variants"]
+            ]
+        if "timed" in task:
+            result["time"] = measure_time(
+                task["model"], task["sizes"], task["timed"], task["rounds"], task["steps"]
             )
-        else:
-            result = [measure_memory(task["model"], task["sizes"], v) for v in task["variants"]]
         print(json.dumps(result))
         return result
     sizes = SMOKE if args.smoke else FULL
@@ -274,27 +277,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     def run(task: dict[str, Any]) -> Any:
         return _report.run_worker(script, ["--worker", json.dumps(task)], timeout=1800)
 
-    # Each variant's memory in a fresh process; a smoke run measures them in one.
-    groups = [variants] if args.smoke else [[v] for v in variants]
-    memory = [
-        row
-        for m, s in sizes.items()
-        for group in groups
-        for row in run({"kind": "memory", "model": m, "sizes": s, "variants": group})
-    ]
-    time = [
-        run(
-            {
-                "kind": "time",
-                "model": m,
-                "sizes": s,
-                "variants": variants,
-                "rounds": rounds,
-                "steps": steps,
-            }
-        )
-        for m, s in sizes.items()
-    ]
+    timing = {"rounds": rounds, "steps": steps, "timed": variants}
+    if args.smoke:  # one process per model measures everything, to keep it short
+        results = [
+            run({"model": m, "sizes": s, "variants": variants, **timing}) for m, s in sizes.items()
+        ]
+    else:  # each variant's memory in a fresh process, then the times in one
+        results = [
+            run({"model": m, "sizes": s, "variants": [v]})
+            for m, s in sizes.items()
+            for v in variants
+        ]
+        results += [run({"model": m, "sizes": s, **timing}) for m, s in sizes.items()]
+    memory = [row for result in results for row in result.get("memory", [])]
+    time = [result["time"] for result in results if "time" in result]
     report = {
         "machine": _report.machine(),
         "versions": _report.versions("tensorflow", "keras"),
