@@ -4,7 +4,9 @@ keras-hub backbones as built (random init, no downloads), a subclassed
 transformer model that loops over a list of blocks, a subclassed layer that
 holds a `keras.Sequential`, and a Functional model that calls a nested
 Functional backbone once. Each entry builds the model and a sample batch
-`(x, y)` for it.
+`(x, y)` for it. `MORE_MODELS` (ALBERT's shared layer, Llama, T5's
+encoder-decoder, a layer called twice, a masked LSTM, two
+`keras.applications`) are checked for exactness only: their `y` is None.
 """
 
 from __future__ import annotations
@@ -178,6 +180,113 @@ def nested_backbone(*, width: int = 64, batch: int = 8):  # noqa: ANN201
         rng.normal(size=(batch, 3)).astype("float32"),
     )
 
+
+def albert(*, layers: int = 4, hidden: int = 32, sequence: int = 16, batch: int = 2) -> Any:
+    """One transformer layer applied `layers` times: a layer shared across depth."""
+    model = keras_hub.models.AlbertBackbone(
+        vocabulary_size=100,
+        num_layers=layers,
+        num_heads=2,
+        num_groups=1,
+        num_inner_repetitions=1,
+        embedding_dim=16,
+        hidden_dim=hidden,
+        intermediate_dim=2 * hidden,
+        max_sequence_length=sequence,
+    )
+    x = {**_tokens(batch, sequence), "segment_ids": np.zeros((batch, sequence), "int32")}
+    return model, (x, None)
+
+
+def llama(*, layers: int = 2, hidden: int = 32, sequence: int = 16, batch: int = 2) -> Any:
+    """Grouped-query attention with rotary embeddings and RMS norms."""
+    model = keras_hub.models.LlamaBackbone(
+        vocabulary_size=100,
+        num_layers=layers,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=hidden,
+        intermediate_dim=2 * hidden,
+    )
+    return model, (_tokens(batch, sequence), None)
+
+
+def t5(*, layers: int = 2, hidden: int = 32, sequence: int = 8, batch: int = 2) -> Any:
+    """An encoder-decoder: two token inputs, cross-attention, relative position bias."""
+    model = keras_hub.models.T5Backbone(
+        vocabulary_size=100,
+        num_layers=layers,
+        num_heads=2,
+        hidden_dim=hidden,
+        intermediate_dim=2 * hidden,
+    )
+    encoder, decoder = _tokens(batch, sequence), _tokens(batch, sequence, seed=1)
+    x = {
+        "encoder_token_ids": encoder["token_ids"],
+        "encoder_padding_mask": encoder["padding_mask"],
+        "decoder_token_ids": decoder["token_ids"],
+        "decoder_padding_mask": decoder["padding_mask"],
+    }
+    return model, (x, None)
+
+
+class SharedTwice(keras.Model):
+    """A subclassed model that calls one layer twice, the second time on a residual."""
+
+    def __init__(self, width: int = 32, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.first = keras.layers.Dense(width, activation="relu")
+        self.shared = keras.layers.Dense(width, activation="tanh")
+        self.head = keras.layers.Dense(4)
+
+    def call(self, x: Any) -> Any:
+        h = self.shared(self.first(x))
+        return self.head(self.shared(h) + h)
+
+
+def shared_twice(*, batch: int = 4) -> Any:
+    x = np.random.default_rng(0).normal(size=(batch, 16)).astype("float32")
+    return SharedTwice(), (x, None)
+
+
+def masked_lstm(*, batch: int = 4, sequence: int = 12) -> Any:
+    """A mask made by `Embedding(mask_zero=True)` and consumed by an LSTM."""
+    ids = keras.Input((sequence,), dtype="int32")
+    h = keras.layers.Embedding(50, 16, mask_zero=True)(ids)
+    h = keras.layers.LSTM(16, return_sequences=True)(h)
+    h = keras.layers.Dense(16, activation="relu")(h)
+    model = keras.Model(ids, keras.layers.Dense(3)(keras.layers.GlobalAveragePooling1D()(h)))
+    x = np.random.default_rng(0).integers(1, 50, (batch, sequence)).astype("int32")
+    x[:, sequence * 2 // 3 :] = 0  # padding
+    return model, (x, None)
+
+
+def _application(constructor: Callable[..., Any], size: int = 32, batch: int = 2) -> Any:
+    model = constructor(weights=None, input_shape=(size, size, 3), classes=10)
+    x = np.random.default_rng(0).normal(size=(batch, size, size, 3)).astype("float32")
+    return model, (x, None)
+
+
+def mobilenet_v3_small() -> Any:
+    """Hard-swish, squeeze-excite, a Rescaling and BatchNorm in every block."""
+    return _application(keras.applications.MobileNetV3Small)
+
+
+def convnext_tiny() -> Any:
+    """Depthwise convs that Keras runs as grouped convolutions under XLA, LayerScale."""
+    return _application(keras.applications.ConvNeXtTiny)
+
+
+# More models, checked for exactness only (each costs seconds to plan).
+MORE_MODELS: dict[str, Callable[..., Any]] = {
+    "albert": albert,
+    "llama": llama,
+    "t5": t5,
+    "shared_twice": shared_twice,
+    "masked_lstm": masked_lstm,
+    "mobilenet_v3_small": mobilenet_v3_small,
+    "convnext_tiny": convnext_tiny,
+}
 
 MODELS: dict[str, Callable[..., Any]] = {
     "bert": bert,

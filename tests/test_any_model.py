@@ -9,6 +9,7 @@ the two runs.
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import keras
@@ -80,6 +81,32 @@ def test_a_checkpointed_model_trains_like_the_original(name, mode):
     assert_close_per_tensor(save_state(state), want_state)
 
 
+# keras.applications models at random init have gradients up to 1e8: the model
+# itself, eagerly against under `tf.function`, differs by 1e-4 (DenseNet121) to
+# 4e-3 (MobileNetV3Small) of the largest; recomputing reorders a few sums (2e-5).
+MORE_RTOL = {"mobilenet_v3_small": 1e-4, "convnext_tiny": 1e-4}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(any_models.MORE_MODELS))
+def test_more_models_train_like_the_original(name, mode):
+    keras.utils.set_random_seed(0)
+    model, (x, _) = any_models.MORE_MODELS[name]()
+    model(x)
+    flat = [tf.convert_to_tensor(v) for v in keras.tree.flatten(x)]
+    trainable, state = model.trainable_variables, model.non_trainable_variables
+    initial = save_state(state)
+    want = forward_and_grads(_runner(model, x), flat, trainable, mode)
+    want_state = save_state(state)
+    load_state(state, initial)
+    rewritten = tfrecompute.recompute(model, "sqrt", sample=x)
+    assert _checkpoints(model, rewritten) > 1
+    got = forward_and_grads(_runner(rewritten, x), flat, trainable, mode)
+    assert_close_per_tensor(got, want, rtol=MORE_RTOL.get(name, 1e-5))
+    assert_close_per_tensor(save_state(state), want_state)
+
+
 @pytest.mark.parametrize("name", ["bert", "gpt2"])
 def test_a_backbone_keeps_its_unknown_dimensions(name):
     model, x, _ = _build(name)
@@ -132,6 +159,59 @@ def test_vit_weights_round_trip_where_the_model_file_cannot(tmp_path):
     fresh = tfrecompute.recompute(fresh, sample=x)
     fresh.load_weights(tmp_path / "vit.weights.h5")
     np.testing.assert_allclose(fresh(x), rewritten(x), atol=1e-5)
+
+
+def _more(name, seed=0):
+    keras.utils.set_random_seed(seed)
+    model, (x, _) = any_models.MORE_MODELS[name]()
+    outputs = model(x)
+    y = keras.tree.map_structure(lambda t: np.ones(t.shape, "float32"), outputs)
+    return model, x, y
+
+
+def test_a_layer_in_two_blocks_warns_and_its_weights_round_trip(tmp_path):
+    model, x, y = _more("albert")
+    with pytest.warns(UserWarning, match=r"layer 'group_0_inner_layer_0' is called in more"):
+        rewritten = tfrecompute.recompute(model, "sqrt", sample=x)
+    rewritten.compile(optimizer="adam", loss="mse")
+    rewritten.fit(x, y, epochs=1, verbose=0)
+    rewritten.save_weights(tmp_path / "albert.weights.h5")
+    fresh, _, _ = _more("albert", seed=1)
+    with pytest.warns(UserWarning, match="called in more than one block"):
+        fresh = tfrecompute.recompute(fresh, "sqrt", sample=x)
+    fresh.load_weights(tmp_path / "albert.weights.h5")
+    got, want = keras.tree.flatten(fresh(x)), keras.tree.flatten(rewritten(x))
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_keras_cannot_load_a_layer_shared_between_nested_models(tmp_path):
+    """The upstream limit the warning above is about: no blocks involved."""
+    shared = keras.layers.Dense(4, name="shared")
+    inner = []
+    for name in ("first", "second"):
+        inputs = keras.Input((4,))
+        inner.append(keras.Model(inputs, shared(inputs), name=name))
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, shared(inner[1](inner[0](inputs))))
+    model.save(tmp_path / "shared.keras")
+    with pytest.raises(ValueError, match="is not connected to `inputs`"):
+        keras.models.load_model(tmp_path / "shared.keras")
+
+
+def test_llama_weights_round_trip_where_its_config_cannot(tmp_path):
+    model, x, y = _more("llama")
+    decoder = model.get_layer("transformer_layer_0")
+    with pytest.raises(AttributeError, match="rope_scaling_factor"):
+        decoder.get_config()  # keras-hub 0.32: the model file cannot be written
+    rewritten = tfrecompute.recompute(model, sample=x)
+    rewritten.compile(optimizer="adam", loss="mse")
+    rewritten.fit(x, y, epochs=1, verbose=0)
+    rewritten.save_weights(tmp_path / "llama.weights.h5")
+    fresh, _, _ = _more("llama", seed=1)
+    fresh = tfrecompute.recompute(fresh, sample=x)
+    fresh.load_weights(tmp_path / "llama.weights.h5")
+    np.testing.assert_allclose(fresh(x), rewritten(x), atol=1e-6)
 
 
 def test_vit_plans_over_its_encoder_blocks():
@@ -233,7 +313,7 @@ def test_weightless_preprocessing_is_never_put_in_a_block():
     model = keras.applications.EfficientNetB0(weights=None, input_shape=(32, 32, 3), classes=3)
     chain = tfrecompute.profile(model, batch_size=2)
     # Rescaling, normalization and padding (merged: no backward reads between them).
-    assert chain.names[0].startswith("rescaling+normalization")
+    assert re.match(r"rescaling(_\d+)?\+normalization", chain.names[0])  # _2: a model before
     assert chain.max_stop[0] == 0 and chain.max_stop[1] > 1
     assert all(s > 0 for s, _ in tfrecompute.plan(model, "sqrt", batch_size=2).segments)
     with warnings.catch_warnings():

@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -82,9 +83,45 @@ def rewrite(
         return _rewrite_sequential(
             graph, (starts, policy_at), names, name or f"{graph.model.name}_recompute"
         )
-    return _rebuild(
+    rebuilt = _rebuild(
         graph, root, (starts, policy_at), names, name or f"{graph.model.name}_recompute"
     )
+    _warn_if_unloadable(rebuilt)
+    return rebuilt
+
+
+def _warn_if_unloadable(model: keras.Model) -> None:
+    """NOTE [ A layer in two blocks ]
+
+    A layer called in two segments (ALBERT's one transformer layer, applied
+    at every depth) sits in two blocks' sub-models, or in one and in the
+    model around it. Training is exact, and `save_weights`/`load_weights`
+    round-trip, but Keras 3.15 cannot load a `.keras` file in which one
+    layer is shared between nested Functional models ("Output with path ``
+    is not connected to `inputs`"), with or without blocks. Saying so now
+    beats finding out when loading a trained model.
+    """
+    owners: dict[int, set[str]] = {}
+    names: dict[int, str] = {}
+    containers = [model]
+    while containers:
+        container = containers.pop()
+        for layer in container.layers:
+            if isinstance(layer, RecomputeBlock):
+                containers += [inner for inner in layer.layers if isinstance(inner, keras.Model)]
+                continue
+            owners.setdefault(id(layer), set()).add(container.name)
+            names[id(layer)] = layer.name
+    shared = sorted(names[key] for key, found in owners.items() if len(found) > 1)
+    if shared:
+        more = f" (and {len(shared) - 1} more)" if len(shared) > 1 else ""
+        warnings.warn(
+            f"recompute: layer {shared[0]!r}{more} is called in more than one block, or in "
+            "a block and outside it. Training is exact, but Keras cannot load such a model "
+            "from a .keras file. Save and load its weights instead (model.save_weights, "
+            "then load_weights into the same model rewritten by the same plan).",
+            stacklevel=4,
+        )
 
 
 def _regions(graph: LayerGraph) -> list[Region]:

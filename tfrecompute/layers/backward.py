@@ -259,6 +259,15 @@ def _ordered(grads: list[Any], ordered: list[bool]) -> list[Any]:
     is computed; a segment holds them through its backward (the memory model
     counts that: `Chain.applied_grad_bytes`). The state values' gradients
     (a watched frozen variable's) wait too.
+
+    So do the inputs' gradients, for memory: the previous segment's recompute
+    starts from them, and released early they let it run while this
+    segment's weight gradients, and so the recomputed activations they
+    read, are still pending. On a loaded 2-core CPU a sqrt plan of 64 Dense
+    layers then peaked at up to 79 MiB in one step of 150 instead of 17; with
+    the wait, 350 steps stayed within 16.8-18.2 MiB, at 1.02x the CPU time
+    (test_block.py test_a_blocks_input_gradient_waits_for_its_weight_gradients).
+    Captured tensors' gradients do not wait.
     """
     if tf.executing_eagerly() or not any(ordered):
         return grads

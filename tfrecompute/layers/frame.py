@@ -278,7 +278,7 @@ class RecomputeFrame:
         active = [i for i, s in enumerate(sources) if not eager or should_record_backprop([s])]
         if not active:
             return results
-        inputs, captured = len(self.float_positions), len(own) + len(self.loop_values)
+        captured = len(own) + len(self.loop_values)
         captures = range(captured, captured + len(self.captures))
         gradient = BlockGradient(
             self.block.name,
@@ -286,7 +286,7 @@ class RecomputeFrame:
             parents=parents,
             replay=lambda g, persistent: self._select(self.recompute(g, persistent), active),
             kept=None if kept is None else self._select(kept, active),
-            ordered=[i >= inputs and i not in captures for i in active],
+            ordered=[i not in captures for i in active],
         )
         hidden = attach_gradient(results, [sources[i] for i in active], gradient.backward)
         outputs: list[tf.Tensor | None] = [None] * len(results)

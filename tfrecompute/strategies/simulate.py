@@ -118,6 +118,10 @@ the behaviour:
   gradients keeps them to the step's end (`kept_grad_bytes`).
   tests/test_block.py test_variable_updates_in_the_same_step_do_not_reach_the_recompute
   (why), tests/test_costs.py test_parameter_gradients_follow_the_optimizer (the bytes).
+* One segment's backward at a time: a block releases its inputs' gradients,
+  from which the previous segment's recompute starts, only once its whole
+  backward is computed, so no two segments' recomputed activations are live
+  at once. tests/test_block.py test_a_blocks_input_gradient_waits_for_its_weight_gradients.
 * Plans are single-level: a block nested in another recomputes once more per
   enclosing recompute, which this model does not describe; `rewrite` never
   nests blocks.
