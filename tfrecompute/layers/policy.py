@@ -66,7 +66,6 @@ __all__ = [
     "dots",
     "nothing",
     "deserialize_policy",
-    "policy_name",
     "resolve_policy",
     "serialize_policy",
 ]
@@ -160,15 +159,6 @@ def resolve_policy(api: str, policy: Any) -> Policy | None:
         )
     intercept_backend_ops(_intercepted)
     return policy
-
-
-def policy_name(policy: Any) -> str:
-    """How a summary names a policy."""
-    if policy is None:
-        return "nothing"
-    if isinstance(policy, str):
-        return policy
-    return getattr(policy, "__name__", type(policy).__name__)
 
 
 def serialize_policy(api: str, policy: Any) -> Any:
