@@ -453,4 +453,4 @@ def test_a_dots_step_keeps_its_products_and_no_more(jit_compile):
         # (measured 32, 7.75 and 16 MiB).
         assert dots <= none / 2
     else:  # measured 17.25, 8.5 and 10.5 MiB
-        assert dots - full <= 8 * product  # the kept products, not the activations
+        assert dots - full <= 1.5 * 8 * product  # the kept products, not the activations
