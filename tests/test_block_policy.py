@@ -454,3 +454,22 @@ def test_a_dots_step_keeps_its_products_and_no_more(jit_compile):
         assert dots <= none / 2
     else:  # measured 17.25, 8.5 and 10.5 MiB
         assert dots - full <= 1.5 * 8 * product  # the kept products, not the activations
+
+
+def test_eagerly_the_vjp_of_a_kept_product_computes_no_product():
+    from tfrecompute.layers import policy
+
+    policy._EAGER_VJPS.clear()
+    keras.utils.set_random_seed(0)
+    layer = keras.layers.Dense(8, activation="tanh")
+    block = RecomputeBlock(layer, policy="dots")
+    x = normal((4, 8))
+    block(x)
+    _gradients(lambda v: block(v, training=True), x, layer.trainable_variables)
+    (vjp,) = policy._EAGER_VJPS.values()
+    (concrete,) = vjp._list_all_concrete_functions_for_serialization()
+    ops = _reachable(concrete.outputs)
+    # Traced: the product under the local tape, the input and the weight
+    # gradient; run: the two gradients (TensorFlow prunes the unread product).
+    assert sum(op.type == "MatMul" for op in concrete.graph.get_operations()) == 3
+    assert sum(op.type == "MatMul" for op in ops) == 2
