@@ -16,7 +16,9 @@ from typing import Any
 
 import keras
 import tensorflow as tf
+from keras.src import backend as keras_backend
 from keras.src.backend.common import global_state
+from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 from keras.src.layers.layer import CallContext
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import context, record
@@ -43,6 +45,8 @@ __all__ = [
     "gradient_override_name",
     "identity_n_gradient",
     "in_control_flow_body",
+    "in_symbolic_scope",
+    "intercept_backend_ops",
     "inbound_nodes",
     "is_functional",
     "keras_history_operation",
@@ -364,6 +368,48 @@ def recording_calls(recorder: Any) -> Iterator[None]:
     finally:
         keras.layers.Layer.__call__ = layer_call
         keras.Operation.__call__ = operation_call
+
+
+# ------------------------------------------------------------ backend ops
+# A recompute policy sees the products a block computes (NOTE [ Recompute
+# policies ] in `layers/policy.py`). Keras layers compute them through
+# `keras.ops.matmul`, `einsum`, `conv`, ..., each of which calls its backend
+# function as an attribute of the backend module at call time
+# (`backend.numpy.matmul(x1, x2)`), so replacing those attributes sees every
+# call, however the layer imported `keras.ops`. The backend functions call
+# each other (`einsum` may call `matmul`): a wrapper must pass nested calls
+# through. Keras's `compute_output_spec` runs the same functions on
+# placeholders inside a `SymbolicScope` (`in_symbolic_scope`, imported above).
+# Tested with keras 3.9 to 3.15 (TensorFlow backend).
+
+BACKEND_OPS = (
+    ("numpy", "matmul"),
+    ("numpy", "einsum"),
+    ("numpy", "dot"),
+    ("numpy", "tensordot"),
+    ("nn", "conv"),
+    ("nn", "depthwise_conv"),
+    ("nn", "separable_conv"),
+    ("nn", "conv_transpose"),
+)
+"""(backend module, function): the products a recompute policy sees, by kind."""
+
+
+def intercept_backend_ops(wrap: Any) -> None:
+    """Replaces each `BACKEND_OPS` function `f` of Keras's backend by `wrap(kind, f)`, once.
+
+    Idempotent: a function already replaced is left alone. The replacement
+    stays for the life of the process (it passes calls straight through
+    outside a block that has a policy).
+    """
+    for module_name, name in BACKEND_OPS:
+        module = getattr(keras_backend, module_name)
+        current = getattr(module, name)
+        if getattr(current, "_tfrecompute_original", None) is not None:
+            continue
+        replacement = wrap(name, current)
+        replacement._tfrecompute_original = current
+        setattr(module, name, replacement)
 
 
 # `xplane_pb2` (imported above): `tf.profiler` writes XSpace protobufs but

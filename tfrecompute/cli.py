@@ -150,6 +150,12 @@ def _model_options(sub: argparse.ArgumentParser) -> None:
         "sequence length of a keras-hub backbone's (None, None) token ids",
     )
     sub.add_argument(
+        "--policy",
+        choices=("nothing", "dots"),
+        help='plan with a recompute policy: "dots" lets a segment keep its weight products '
+        "and recompute the rest (a third state per segment, shown as 'selective')",
+    )
+    sub.add_argument(
         "-v",
         "--verbose",
         action="store_true",
@@ -311,6 +317,7 @@ def _profile(
     optimizer: Any = None,
     dim: int | None = None,
     progress: TextIO | None = None,
+    policy: str | None = None,
 ) -> strategies.Chain:
     """`tfrecompute.profile`, with a progress bar of analysed layer calls on `progress`.
 
@@ -321,7 +328,9 @@ def _profile(
 
     sample = _sample(model, batch_size, dim)
     if progress is None:
-        return tfrecompute.profile(model, batch_size, sample=sample, optimizer=optimizer)
+        return tfrecompute.profile(
+            model, batch_size, sample=sample, optimizer=optimizer, policy=policy
+        )
     interactive = progress.isatty()
     start = time.perf_counter()
     counted = {"total": 0}
@@ -333,7 +342,7 @@ def _profile(
             progress.flush()
 
     chain = tfrecompute.profile(
-        model, batch_size, sample=sample, optimizer=optimizer, progress=report
+        model, batch_size, sample=sample, optimizer=optimizer, progress=report, policy=policy
     )
     summary = f"profiled {counted['total']} layer calls in {time.perf_counter() - start:.1f} s"
     if interactive:  # overwrite the whole bar
@@ -356,6 +365,7 @@ def _chain(
             optimizer=loaded.optimizer,
             dim=args.dim,
             progress=sys.stderr if progress else None,
+            policy=getattr(args, "policy", None),
         )
     return loaded.model, chain
 
@@ -405,6 +415,12 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         f"forward cost {_flops(chain.total_forward_cost)}FLOPs"
     )
     print("FLOPs: each link's forward; copy: the copy of its input a recompute reads")
+    if chain.policy_kept_bytes is not None and chain.policy_forward_cost is not None:
+        kept, cost = chain.policy_kept_bytes, chain.policy_forward_cost
+        print(
+            f"Under the policy the links keep {fmt(sum(kept))} of products in total and "
+            f"recompute for {_flops(math.fsum(cost))}FLOPs"
+        )
     if any(chain.kept_grad_bytes):
         print(
             "Weight gradients (grads): all kept until the step's end (the optimizer needs "
@@ -449,12 +465,16 @@ def _cmd_frontier(args: argparse.Namespace) -> int:
     }
     fmt = strategies.format_bytes
     shown = _spread(points, 12)
-    rows = [(fmt(p.peak_bytes), f"{_share(p):.1f}%", str(len(p.segments))) for p in shown]
+    header: tuple[str, ...] = ("peak", "recompute cost", "segments")
+    rows = [[fmt(p.peak_bytes), f"{_share(p):.1f}%", str(len(p.segments))] for p in shown]
+    if chain.has_policy:  # how many segments each plan recomputes under the policy
+        header += ("selective",)
+        rows = [[*row, str(sum(p.selective))] for row, p in zip(rows, shown)]
     print(
         f"Pareto frontier of {chain.n} links at batch size {args.batch_size}: "
         f"{len(points)} plans" + (f", {len(shown)} shown" if len(shown) < len(points) else "")
     )
-    print(table(("peak", "recompute cost", "segments"), rows, right={0, 1, 2}))
+    print(table(header, rows, right=set(range(len(header)))))
     label = _chosen_label(args)
     width = max(len(name) for name in [*marks, label]) + 2
     for name, plan in [*marks.items(), (label, chosen)]:

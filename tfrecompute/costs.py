@@ -25,6 +25,8 @@ from tfrecompute.call_costs import CallMemory, call_memory
 from tfrecompute.expand import Selection, expand, selected, selection
 from tfrecompute.graph import Call, LayerGraph, tensor_bytes, trainable_variables
 from tfrecompute.layers import RecomputeBlock
+from tfrecompute.layers.policy import resolve_policy
+from tfrecompute.policy_costs import policy_link_costs
 from tfrecompute.trace import input_specs, trace_model
 
 __all__ = [
@@ -80,6 +82,7 @@ def profile(
     depth: int | None = None,
     where: Any = None,
     progress: Progress | None = None,
+    policy: Any = None,
 ) -> strategies.Chain:
     """The cost chain of any Keras model at a batch size.
 
@@ -120,6 +123,9 @@ def profile(
             predicate `(layer) -> bool`; layers holding them are looked into.
         progress: called as `progress(done, total)` after each layer call is
             analysed (for a progress bar).
+        policy: a recompute policy (see `RecomputeBlock`): the chain then
+            has the third state, each link's `policy_kept_bytes` and
+            `policy_forward_cost` under it (`tfrecompute.policy_costs`).
 
     Returns:
         A `tfrecompute.strategies.Chain` with the calls' names as `names`.
@@ -133,8 +139,9 @@ def profile(
     chain = tfrecompute.profile(backbone, sample=batch)  # shapes from the batch
     ```
     """
+    resolve_policy("profile", policy)
     graph = traced_graph("profile", model, sample, batch_size, depth=depth, where=where)
-    return profile_graph(graph, batch_of(graph), optimizer, progress, where=where)
+    return profile_graph(graph, batch_of(graph), optimizer, progress, where=where, policy=policy)
 
 
 def traced_graph(
@@ -208,6 +215,7 @@ def profile_graph(
     progress: Progress | None = None,
     *,
     where: Any = None,
+    policy: Any = None,
 ) -> strategies.Chain:
     """`profile` on a traced graph; the chain's `source` is its `ProfiledModel`."""
     memories = _call_memories(graph, batch_size, progress)
@@ -223,6 +231,14 @@ def profile_graph(
     weights = _weight_gradients(graph, link_of, len(links), keep_all=keep_all)
     skips = _carries(graph, link_of, len(links), sizes)
     per_link = _link_costs(graph, links, _Reads(memories, needed), sizes, skips)
+    function = resolve_policy("profile", policy)
+    kept, cheaper = (
+        (None, None)
+        if function is None
+        else policy_link_costs(
+            graph, links, batch_size, function, [c.forward_cost for c in per_link]
+        )
+    )
     return strategies.Chain(
         sizes.of(graph.inputs),
         [c.output for c in per_link],
@@ -238,6 +254,8 @@ def profile_graph(
         update_workspace_bytes=weights.update_workspace if keep_all else 0,
         names=[c.name for c in per_link],
         max_stop=_max_stops(graph, links, sizes, selection("profile", where)),
+        policy_kept_bytes=kept,
+        policy_forward_cost=cheaper,
         source=ProfiledModel(graph, tuple(links), batch_size),
     )
 

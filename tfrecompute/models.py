@@ -25,6 +25,7 @@ from tfrecompute.costs import (
     profiled_model,
     traced_graph,
 )
+from tfrecompute.layers.policy import resolve_policy
 from tfrecompute.rewrite import rewrite
 
 __all__ = ["plan", "recompute"]
@@ -56,7 +57,9 @@ def _resolve_plan(api: str, model: keras.Model, strategy: Any, options: dict[str
     graph = traced_graph(
         api, model, sample, batch_size, depth=options["depth"], where=options["where"]
     )
-    chain = profile_graph(graph, batch_of(graph), COMPILED, where=options["where"])
+    chain = profile_graph(
+        graph, batch_of(graph), COMPILED, where=options["where"], policy=options.get("policy")
+    )
     made = strategies.plan_within(api, chosen, chain, budget, options["headroom"])
     if strategy is None:
         _warn_if_it_saves_nothing(api, made)
@@ -172,11 +175,17 @@ def plan(
     headroom: float | None = None,
     depth: int | None = None,
     where: Any = None,
+    policy: Any = None,
 ) -> strategies.Plan:
     """Plans which calls of a model to recompute, without changing the model.
 
     Args:
         model: a built Keras model: Sequential, Functional or subclassed.{shared}
+        policy: a recompute policy to plan with (see `RecomputeBlock`): links
+            get a third state, recomputed under it, which `optimal` weighs
+            against storing and recomputing whole (`Plan.selective`; other
+            strategies plan two states). Pass the same policy to
+            `recompute(model, plan, policy=...)`.
     Returns:
         The `Plan`; `plan.summary()` names the calls of each segment and gives
         the predicted peak and recompute cost. `recompute(model, plan)`
@@ -196,7 +205,9 @@ def plan(
         "headroom": headroom,
         "depth": depth,
         "where": where,
+        "policy": policy,
     }
+    resolve_policy("plan", policy)
     chosen, _ = _resolve_plan("plan", model, strategy, options)
     return chosen
 
@@ -211,6 +222,7 @@ def recompute(
     headroom: float | None = None,
     depth: int | None = None,
     where: Any = None,
+    policy: Any = None,
 ) -> keras.Model:
     """A checkpointed model: the plan's calls recomputed in backprop, in `RecomputeBlock`s.
 
@@ -233,6 +245,12 @@ def recompute(
 
     Args:
         model: a built Keras model: Sequential, Functional or subclassed.{shared}
+        policy: the recompute policy of the blocks (see `RecomputeBlock`):
+            None or "nothing" (recompute all), "dots" (keep the products with
+            a weight), or a function of a `tfrecompute.layers.OpInfo`. With
+            `optimal` (the default) the planner weighs it per segment against
+            recomputing whole (`Plan.selective`); with any other strategy
+            every block gets it.
     Returns:
         The checkpointed model.
 
@@ -252,9 +270,33 @@ def recompute(
         "headroom": headroom,
         "depth": depth,
         "where": where,
+        "policy": policy,
     }
+    resolve_policy("recompute", policy)
     chosen, profiled = _resolve_plan("recompute", model, strategy, options)
-    return rewrite(profiled.graph, profiled.call_segments(chosen.segments))
+    segments = profiled.call_segments(chosen.segments)
+    return rewrite(profiled.graph, segments, policies=_block_policies(chosen, policy))
+
+
+def _block_policies(plan: strategies.Plan, policy: Any) -> list[Any]:
+    """Each segment's policy.
+
+    A plan that weighed the third state (`optimal` on a chain with policy
+    costs) says per segment (`Plan.selective`); any other plan's blocks all
+    get `policy`: the user chose the segments and asked for the policy.
+    """
+    weighed = bool(plan.selective) or (plan.chain.has_policy and plan.strategy == "optimal")
+    if not weighed:
+        return [policy] * len(plan.segments)
+    if policy is None:
+        fail(
+            "recompute",
+            "the plan recomputes segments under a recompute policy, but no policy is given",
+            "policy",
+            policy,
+            "Pass the policy the plan was made with, e.g. recompute(model, plan, policy='dots')",
+        )
+    return [policy if under else None for under in plan.selective]
 
 
 plan.__doc__ = (plan.__doc__ or "").replace("{shared}", _SHARED_ARGS.rstrip() + "\n")

@@ -37,7 +37,11 @@ __all__ = ["rewrite"]
 
 
 def rewrite(
-    graph: LayerGraph, segments: Sequence[tuple[int, int]], *, name: str | None = None
+    graph: LayerGraph,
+    segments: Sequence[tuple[int, int]],
+    *,
+    name: str | None = None,
+    policies: Sequence[Any] | None = None,
 ) -> keras.Model:
     """The model with each range of calls recomputed (see the module docstring).
 
@@ -47,6 +51,8 @@ def rewrite(
             indices: runs of graph calls of one region, or single calls made
             by a subclassed layer's code.
         name: the new model's name; `<model name>_recompute` by default.
+        policies: the recompute policy of each segment's block (see
+            `RecomputeBlock`); None for none.
 
     Returns:
         The model itself for a subclassed model; else a new `keras.Sequential`
@@ -54,9 +60,11 @@ def rewrite(
         Functional `keras.Model`.
     """
     starts: dict[int, int] = {}
-    for start, stop in segments:
+    policy_at: dict[int, Any] = {}
+    for (start, stop), policy in zip(segments, policies or [None] * len(segments)):
+        policy_at[start] = policy
         if graph.calls[start].in_place:
-            checkpoint_in_place(graph.calls[start].layer)
+            checkpoint_in_place(graph.calls[start].layer, policy=policy)
         else:
             starts[start] = stop
     # Block names become TensorFlow name scopes: no "#" or "/" from call names.
@@ -65,13 +73,19 @@ def rewrite(
     for region in _regions(graph):
         if region is root or not any(graph.calls[k].region is region for k in starts):
             continue
-        replacement = _rebuild(graph, region, starts, names, f"{region.model.name}_recompute")
+        replacement = _rebuild(
+            graph, region, (starts, policy_at), names, f"{region.model.name}_recompute"
+        )
         route_call(region.model, replacement)
     if root is None:
         return graph.model  # a subclassed model, checkpointed in place
     if graph.sequential:
-        return _rewrite_sequential(graph, starts, names, name or f"{graph.model.name}_recompute")
-    rebuilt = _rebuild(graph, root, starts, names, name or f"{graph.model.name}_recompute")
+        return _rewrite_sequential(
+            graph, (starts, policy_at), names, name or f"{graph.model.name}_recompute"
+        )
+    rebuilt = _rebuild(
+        graph, root, (starts, policy_at), names, name or f"{graph.model.name}_recompute"
+    )
     _warn_if_unloadable(rebuilt)
     return rebuilt
 
@@ -119,10 +133,15 @@ def _regions(graph: LayerGraph) -> list[Region]:
     return list(found.values())
 
 
+Segments = tuple[dict[int, int], dict[int, Any]]
+"""The segments by start: their stop, and their block's policy."""
+
+
 def _rebuild(
-    graph: LayerGraph, region: Region, starts: dict[int, int], names: list[str], name: str
+    graph: LayerGraph, region: Region, segments: Segments, names: list[str], name: str
 ) -> keras.Model:
     """A Functional model computing `region` from its model's inputs, with the blocks placed."""
+    starts, policy_at = segments
     model = region.model
     mapping: dict[int, Any] = dict(zip(map(id, region.inputs), functional_inputs(model)))
     replayed: set[int] = set()
@@ -138,7 +157,8 @@ def _rebuild(
             index += 1
         elif index in starts:
             stop = starts[index]
-            _apply_block(graph, index, stop, f"recompute_{names[index]}", mapping)
+            block_name = f"recompute_{names[index]}"
+            _apply_block(graph, (index, stop), block_name, mapping, policy_at[index])
             index = stop
         else:
             _replay(anchor, mapping)
@@ -150,11 +170,12 @@ def _rebuild(
 
 
 def _rewrite_sequential(
-    graph: LayerGraph, starts: dict[int, int], names: list[str], name: str
+    graph: LayerGraph, segments: Segments, names: list[str], name: str
 ) -> keras.Sequential:
     # A Sequential's graph also holds the ops its layers' masks are computed
     # with (an Embedding's `not_equal`); the Sequential runs those itself, so
     # only its layers are placed.
+    starts, policy_at = segments
     placed = [isinstance(c.layer, keras.layers.Layer) for c in graph.calls]
     layers: list[keras.layers.Layer] = []
     index = 0
@@ -163,7 +184,8 @@ def _rewrite_sequential(
         members = [k for k in range(index, stop) if placed[k]]
         if index in starts and members:
             block_layers = [graph.calls[k].layer for k in members]
-            layers.append(RecomputeBlock(block_layers, name=f"recompute_{names[members[0]]}"))
+            block_name = f"recompute_{names[members[0]]}"
+            layers.append(RecomputeBlock(block_layers, policy=policy_at[index], name=block_name))
         else:
             layers += [graph.calls[k].layer for k in members]
         index = stop
@@ -196,9 +218,10 @@ def _no_mask_of_its_own(inputs: Any, previous_mask: Any = None) -> None:
 
 
 def _apply_block(
-    graph: LayerGraph, start: int, stop: int, name: str, mapping: dict[int, Any]
+    graph: LayerGraph, segment: tuple[int, int], name: str, mapping: dict[int, Any], policy: Any
 ) -> None:
     """Wraps calls [start, stop) in a block called on the mapped tensors; maps its outputs."""
+    start, stop = segment
     input_ids, output_ids = graph.segment_io(start, stop)
     inner: dict[int, Any] = {}
     sub_inputs = []
@@ -222,7 +245,7 @@ def _apply_block(
     # supports masking and adds none.
     sub_model.supports_masking = True
     sub_model.compute_mask = _no_mask_of_its_own
-    block = RecomputeBlock(sub_model, name=name)
+    block = RecomputeBlock(sub_model, policy=policy, name=name)
     block_inputs = [mapping[key] for key in input_ids]
     results = block(block_inputs if len(block_inputs) != 1 else block_inputs[0])
     for key, result in zip(output_ids, keras.tree.flatten(results)):

@@ -6,6 +6,7 @@
 * `debug`: comparing each recompute with its forward (`set_debug`).
 * `watch`: what a forward ran: its ops, captured tensors, random ops.
 * `backward`: the recompute, its metadata check, and the VJPs of a block.
+* `policy`: recompute policies, which products a block's forward keeps (`OpInfo`).
 * `tree`, `dtypes`: walking a tree of layers; a block's dtype checks.
 * `frame`: `RecomputeFrame`, the state of one recomputed call.
 * `block`: `RecomputeBlock`, the Keras layer.
@@ -14,5 +15,14 @@
 from tfrecompute.errors import RecomputeMismatchError
 from tfrecompute.layers.block import RecomputeBlock
 from tfrecompute.layers.debug import debug_enabled, set_debug
+from tfrecompute.layers.policy import OpInfo, dots, nothing
 
-__all__ = ["RecomputeBlock", "RecomputeMismatchError", "debug_enabled", "set_debug"]
+__all__ = [
+    "OpInfo",
+    "RecomputeBlock",
+    "RecomputeMismatchError",
+    "debug_enabled",
+    "dots",
+    "nothing",
+    "set_debug",
+]

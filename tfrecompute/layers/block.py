@@ -26,6 +26,12 @@ from tfrecompute.errors import NonReplayableRandomnessError
 from tfrecompute.layers.debug import debug_enabled
 from tfrecompute.layers.dtypes import block_dtype_findings
 from tfrecompute.layers.frame import RecomputeFrame, in_block_forward, is_float_tensor
+from tfrecompute.layers.policy import (
+    boundary,
+    deserialize_policy,
+    resolve_policy,
+    serialize_policy,
+)
 from tfrecompute.layers.state import RecordingStatelessScope
 
 __all__ = ["RecomputeBlock"]
@@ -193,6 +199,18 @@ class RecomputeBlock(keras.layers.Layer):
     Args:
         layers: one Keras layer, a list of layers applied in order, or a Keras
             Functional model (any number of inputs and outputs).
+        policy: what the forward keeps besides the block's inputs (NOTE
+            [ Recompute policies ] in `policy.py`). None or "nothing": nothing,
+            the whole block is recomputed. "dots": the outputs of the
+            matmuls, einsums and convolutions that take a trainable variable
+            (a `Dense`'s or `Conv2D`'s kernel, attention's projections); the
+            recompute runs only the cheap ops between them. A function
+            `policy(op: tfrecompute.layers.OpInfo) -> bool` decides per
+            product (its kind, whether it takes a weight, its output shape
+            and dtype). Products a layer computes with TensorFlow directly
+            (`tf.linalg.matmul`) are not seen and are recomputed. Saved with
+            the model as a name, or as a function registered with
+            `keras.saving.register_keras_serializable`.
         debug: check in every recompute that it reproduces the values of
             the forward's tensors and fail with an error naming the block if
             not. Slow (the forward's outputs are kept for the comparison);
@@ -216,6 +234,7 @@ class RecomputeBlock(keras.layers.Layer):
     ])
     model.compile(optimizer="adam", loss="mse")
     model.fit(x, y)
+    encoder_layer = tfrecompute.RecomputeBlock(transformer_layer, policy="dots")
     ```
     """
 
@@ -223,10 +242,12 @@ class RecomputeBlock(keras.layers.Layer):
         self,
         layers: keras.layers.Layer | Sequence[keras.layers.Layer],
         *,
+        policy: Any = None,
         debug: bool = False,
         **kwargs: Any,
     ):
         inner = _check_layers(layers)
+        resolved = resolve_policy("RecomputeBlock", policy)
         debug = as_bool(
             "RecomputeBlock",
             "debug",
@@ -240,6 +261,8 @@ class RecomputeBlock(keras.layers.Layer):
         self._single = isinstance(layers, keras.layers.Layer)
         self.inner = inner
         self.debug = debug
+        self.policy = policy
+        self._recompute_policy = resolved
         # The block hands masks to its first layer and attaches the masks its
         # layers compute to its outputs; each inner layer warns for itself
         # when it drops a mask.
@@ -352,6 +375,12 @@ class RecomputeBlock(keras.layers.Layer):
         **kwargs: Any,
     ) -> Any:
         args, kwargs = _unroute(args, kwargs, _tensor_kwargs, _python_kwargs, _python_args)
+        with boundary():  # what runs inside is this block's (NOTE [ Recompute policies ])
+            return self._call(inputs, args, kwargs, training, mask)
+
+    def _call(
+        self, inputs: Any, args: tuple[Any, ...], kwargs: dict[str, Any], training: Any, mask: Any
+    ) -> Any:
         if (args or kwargs) and not self._single:
             raise TypeError(
                 f"RecomputeBlock '{self.name}': extra call arguments go to a single "
@@ -374,6 +403,7 @@ class RecomputeBlock(keras.layers.Layer):
             state_variables=self._state_variables(),
             loop_weights=list(self.trainable_variables) if in_loop else [],
             debug=self.debug or debug_enabled(),
+            policy=self._recompute_policy,
         )
         watched = should_record_backprop(frame.own_sources())
         if self.trainable_variables or in_loop or watched:
@@ -552,7 +582,11 @@ class RecomputeBlock(keras.layers.Layer):
         base_config = super().get_config()
         base_config.pop("autocast", None)
         serialized = [keras.saving.serialize_keras_object(layer) for layer in self.inner]
-        config = {"layers": serialized[0] if self._single else serialized, "debug": self.debug}
+        config = {
+            "layers": serialized[0] if self._single else serialized,
+            "policy": serialize_policy("RecomputeBlock.get_config", self.policy),
+            "debug": self.debug,
+        }
         return {**base_config, **config}
 
     @classmethod
@@ -568,6 +602,7 @@ class RecomputeBlock(keras.layers.Layer):
             )
         config = dict(config)
         layers = config.pop("layers")
+        config["policy"] = deserialize_policy(config.get("policy"), custom_objects)
         if isinstance(layers, list):
             inner: Any = [
                 keras.saving.deserialize_keras_object(c, custom_objects=custom_objects)

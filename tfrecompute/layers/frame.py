@@ -34,6 +34,7 @@ from tfrecompute._messages import fail
 from tfrecompute.layers.backward import BlockGradient, Replay
 from tfrecompute.layers.custom_gradient import after, attach_gradient, depend_on
 from tfrecompute.layers.debug import verify_recompute
+from tfrecompute.layers.policy import Policy, Recorder, Replayer, active
 from tfrecompute.layers.state import RecordingStatelessScope, snapshot
 from tfrecompute.layers.watch import ForwardWatch, saves_nothing
 
@@ -148,6 +149,8 @@ class RecomputeFrame:
             variables, which the recompute reads from the forward's values
             (NOTE [ Blocks in loop bodies ]); empty elsewhere.
         debug: compare every recompute with the forward.
+        policy: which products the forward keeps for the recompute (NOTE
+            [ Recompute policies ] in `policy.py`), or None for none.
     """
 
     def __init__(
@@ -160,6 +163,7 @@ class RecomputeFrame:
         state_variables: list[Any],
         loop_weights: list[Any],
         debug: bool,
+        policy: Policy | None = None,
     ) -> None:
         self.block = block
         self.call = call
@@ -178,6 +182,8 @@ class RecomputeFrame:
         self.forward: Forward | None = None
         self.captures: list[tf.Tensor] = []
         self.variables: list[Any] = []
+        self.policy = policy
+        self.products: list[Any] = []
 
     # ------------------------------------------------------------ sources
 
@@ -239,9 +245,12 @@ class RecomputeFrame:
         with stop_recording():
             copies = [tf.identity(v) for v in self.own_sources()]
         tape = tf.GradientTape(persistent=True)
-        with _block_forward(), tape, ForwardWatch.around() as watch:
+        recorder = None if self.policy is None else Recorder(self.block.name, self.policy)
+        with _block_forward(), tape, ForwardWatch.around() as watch, active(recorder):
             tape.watch(copies)
             outputs, scope = self.execute(copies)
+        if recorder is not None and recorder.saved:
+            self.products = recorder.entries
         results = self.differentiable(outputs, scope)
         self.captures = watch.captures(known=copies)
         self.variables = self._read_variables(watch)
@@ -360,7 +369,10 @@ class RecomputeFrame:
             tape.watch(copies + weights)
             tape.watch(self.captures)
             tape.watch(self.variables)
-            outputs, scope = self.execute(copies, dependency, weights)
+            name = self.block.name
+            replayer = Replayer(name, self.products, dependency) if self.products else None
+            with active(replayer):
+                outputs, scope = self.execute(copies, dependency, weights)
             results = self.differentiable(outputs, scope)
             if self.debug:
                 assert self.forward is not None

@@ -61,17 +61,18 @@ def checkpointed_in_place(layer: Any) -> bool:
     return layer in _blocks
 
 
-def checkpoint_in_place(layer: keras.layers.Layer) -> None:
+def checkpoint_in_place(layer: keras.layers.Layer, *, policy: Any = None) -> None:
     """Makes every call of `layer` recompute in backprop, where the layer stands.
 
     See NOTE [ In-place checkpoints ]. Applying it twice does nothing more.
 
     Args:
         layer: a built Keras layer.
+        policy: the block's recompute policy (see `RecomputeBlock`).
     """
     if checkpointed_in_place(layer):
         return
-    block = _InPlaceBlock(layer, name=f"{layer.name}_in_place")
+    block = _InPlaceBlock(layer, policy=policy, name=f"{layer.name}_in_place")
     original = layer.call
 
     @functools.wraps(original)

@@ -86,6 +86,16 @@ class Chain:
             links inside a subclassed layer are checkpointed one call at a
             time, a block already in the model is not nested in another, and
             links no gradient reaches gain nothing from a recompute.
+        policy_kept_bytes: the third state of a link (NOTE [ Recompute
+            policies ] in tfrecompute/layers/policy.py): bytes link `i` keeps
+            from its forward to its segment's backward when its segment is
+            recomputed under a recompute policy (the outputs of the products
+            the policy keeps, e.g. its weight matmuls under `"dots"`). None
+            (the default): the chain has no third state and plans are
+            two-state. Given together with `policy_forward_cost`.
+        policy_forward_cost: the cost of link `i`'s recompute under the
+            policy (its forward cost less the products it keeps); None with
+            `policy_kept_bytes`.
         source: what the chain was profiled from, opaque to the planner and
             not part of equality or repr: `tfrecompute.profile` sets it to the
             model's link map, so that `tfrecompute.recompute(model, plan)`
@@ -122,6 +132,8 @@ class Chain:
     input_copy_bytes: tuple[int, ...]
     update_workspace_bytes: int
     max_stop: tuple[int, ...]
+    policy_kept_bytes: tuple[int, ...] | None = None
+    policy_forward_cost: tuple[float, ...] | None = None
     source: object = field(default=None, compare=False, repr=False)
 
     def __init__(
@@ -143,6 +155,8 @@ class Chain:
         input_copy_bytes: Iterable[int] | None = None,
         update_workspace_bytes: int = 0,
         max_stop: Iterable[int] | None = None,
+        policy_kept_bytes: Iterable[int] | None = None,
+        policy_forward_cost: Iterable[float] | None = None,
         source: object = None,
     ) -> None:
         """Validates and stores the costs; see the class docstring for the fields.
@@ -154,7 +168,8 @@ class Chain:
                 output_bytes[i]`, names repeat, a carry's links are out of
                 range or skip no link, or `input_grad_bytes[i]` or
                 `input_copy_bytes[i]` exceeds the size of `x_i`, or
-                `max_stop[s]` is outside `s..n`.
+                `max_stop[s]` is outside `s..n`, or only one of
+                `policy_kept_bytes` and `policy_forward_cost` is given.
         """
         outputs = _byte_tuple("output_bytes", output_bytes)
         n = len(outputs)
@@ -198,6 +213,7 @@ class Chain:
                 _API, "update_workspace_bytes", update_workspace_bytes
             ),
             "max_stop": _max_stop(max_stop, n),
+            **_policy_costs(policy_kept_bytes, policy_forward_cost, n),
             "source": source,
         }
         for name, value in fields.items():
@@ -223,6 +239,11 @@ class Chain:
         size = as_byte_count("Chain.homogeneous", "activation_bytes", activation_bytes)
         each = as_cost("Chain.homogeneous", "cost", cost)
         return cls(size, [size] * links, [size] * links, [each] * links)
+
+    @property
+    def has_policy(self) -> bool:
+        """Whether links have a third state, recomputed under a policy (`policy_kept_bytes`)."""
+        return self.policy_kept_bytes is not None
 
     @property
     def n(self) -> int:
@@ -341,6 +362,29 @@ def _max_stop(values: object, n: int) -> tuple[int, ...]:
             )
         stops.append(int(item))
     return tuple(stops)
+
+
+def _policy_costs(kept: object, cost: object, n: int) -> dict[str, object]:
+    """`policy_kept_bytes` and `policy_forward_cost`: both None, or both per link."""
+    if (kept is None) != (cost is None):
+        given, missing = (
+            ("policy_kept_bytes", "policy_forward_cost")
+            if cost is None
+            else ("policy_forward_cost", "policy_kept_bytes")
+        )
+        fail(
+            _API,
+            f"{given} is given without {missing}; a link's third state needs both",
+            given,
+            kept if cost is None else cost,
+            f"Pass {missing} too (one entry per link), or neither",
+        )
+    if kept is None:
+        return {"policy_kept_bytes": None, "policy_forward_cost": None}
+    return {
+        "policy_kept_bytes": _byte_tuple("policy_kept_bytes", kept, n=n),
+        "policy_forward_cost": _cost_tuple("policy_forward_cost", cost, n=n),
+    }
 
 
 def _optional_bytes(name: str, values: object, n: int) -> tuple[int, ...]:

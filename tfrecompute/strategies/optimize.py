@@ -14,6 +14,13 @@ once it is spent, `optimal` returns the best plan found by passes that keep a
 bounded number of labels per position. Such a plan always fits the budget (memory
 is checked exactly); only its cost may exceed the optimum, and `Plan.proven_optimal`
 is False. Chains of up to 16 links are always solved exactly.
+
+On a chain with a third state (`Chain.policy_kept_bytes`: a segment may be
+recomputed under the recompute policy) `optimal` and `frontier` search the
+three-state plans exactly (`_selective.py`, without a work bound); the plan's
+`selective` flags mark the segments recomputed under the policy. The least
+peak is the two-state one: a selective segment never peaks below the same
+segment recomputed whole.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import logging
 import numbers
 
 from tfrecompute._messages import fail
-from tfrecompute.strategies import _solver
+from tfrecompute.strategies import _selective, _solver
 from tfrecompute.strategies.chain import Chain
 from tfrecompute.strategies.plan import Budget, Plan, infeasible
 from tfrecompute.strategies.simulate import check_chain, estimate
@@ -90,6 +97,8 @@ def optimal(
         limit = budget_bytes(budget, api="optimal", name="budget")
         if limit < least:
             raise infeasible("optimal", budget, limit, own=least, least=least)
+    if chain.has_policy:
+        return _three_state(chain, limit, least=budget is None)
     solution = _solver.solve_budget(pb, limit, max_work=max_work)
     if solution is None:  # pragma: no cover - min_peak guarantees a plan fits
         raise RuntimeError("optimal: no plan found although the budget is feasible")
@@ -134,6 +143,8 @@ def frontier(chain: Chain, *, max_work: int | None = DEFAULT_MAX_WORK) -> list[P
     """
     check_chain("frontier", chain)
     _check_max_work("frontier", max_work)
+    if chain.has_policy:
+        return [_plan_of(chain, label) for label in _selective.solve(chain)]
     pb = _solver.Problem.from_chain(chain)
     found, exact = _solver.solve_frontier(pb, max_work=max_work)
     return [
@@ -147,6 +158,28 @@ def frontier(chain: Chain, *, max_work: int | None = DEFAULT_MAX_WORK) -> list[P
         )
         for segments, peak in found
     ]
+
+
+def _three_state(chain: Chain, limit: int, *, least: bool) -> Plan:
+    """The three-state `optimal`: the cheapest plan within `limit` (the least peak if `least`)."""
+    base = chain.overhead_bytes + chain.input_bytes
+    labels = _selective.solve(chain, limit - base)
+    # Sorted by headroom ascending, cost strictly descending.
+    return _plan_of(chain, labels[0] if least else labels[-1])
+
+
+def _plan_of(chain: Chain, label: _selective.Label) -> Plan:
+    segments, selective = label.plan()
+    peak, cost = estimate(chain, segments, selective if any(selective) else ())
+    return Plan(
+        segments,
+        peak_bytes=peak,
+        recompute_cost=cost,
+        strategy="optimal",
+        chain=chain,
+        proven_optimal=True,
+        selective=selective,
+    )
 
 
 def _check_max_work(api: str, max_work: object) -> None:

@@ -12,7 +12,14 @@ from tfrecompute._messages import fail, received
 from tfrecompute.errors import InfeasibleBudgetError
 from tfrecompute.strategies._table import free_width, span_name, table
 from tfrecompute.strategies.chain import Chain
-from tfrecompute.strategies.simulate import MemoryEvent, check_segments, estimate, timeline
+from tfrecompute.strategies.simulate import (
+    MemoryEvent,
+    check_segments,
+    check_selective,
+    estimate,
+    recompute_cost,
+    timeline,
+)
 from tfrecompute.strategies.units import format_bytes, format_size
 
 __all__ = ["Budget", "Plan", "Strategy", "infeasible"]
@@ -37,6 +44,9 @@ class Plan:
         proven_optimal: True when the planner proved that no plan within the same
             peak costs less (the `optimal` strategy when its search was exact,
             and the points of `frontier`); False otherwise.
+        selective: per segment, whether it is recomputed under the recompute
+            policy the chain was profiled with (its third state,
+            `Chain.policy_kept_bytes`); () when none is (not part of repr).
 
     Example:
         >>> chain = Chain.homogeneous(4, activation_bytes=100)
@@ -51,6 +61,7 @@ class Plan:
     strategy: str
     chain: Chain = field(compare=False, repr=False)
     proven_optimal: bool = False
+    selective: tuple[bool, ...] = field(default=(), repr=False)
 
     def __init__(
         self,
@@ -61,6 +72,7 @@ class Plan:
         strategy: str,
         chain: Chain,
         proven_optimal: bool = False,
+        selective: Iterable[bool] | None = None,
     ) -> None:
         """Validates the fields; use `Plan.from_segments` to compute peak and cost.
 
@@ -70,6 +82,7 @@ class Plan:
                 `0..chain.n`, or peak or cost is negative or not finite.
         """
         checked = check_segments("Plan", chain, segments)
+        modes = check_selective("Plan", chain, checked, selective)
         if isinstance(peak_bytes, bool) or not isinstance(peak_bytes, numbers.Integral):
             fail(
                 "Plan",
@@ -119,10 +132,16 @@ class Plan:
         object.__setattr__(self, "strategy", strategy)
         object.__setattr__(self, "chain", chain)
         object.__setattr__(self, "proven_optimal", bool(proven_optimal))
+        object.__setattr__(self, "selective", modes)
 
     @classmethod
     def from_segments(
-        cls, chain: Chain, segments: Iterable[Sequence[int]], *, strategy: str = "manual"
+        cls,
+        chain: Chain,
+        segments: Iterable[Sequence[int]],
+        *,
+        strategy: str = "manual",
+        selective: Iterable[bool] | None = None,
     ) -> Plan:
         """Builds a plan from segments, its peak and cost predicted by `simulate`.
 
@@ -131,6 +150,8 @@ class Plan:
             segments: sorted, disjoint half-open ranges `(start, stop)` of
                 recomputed links.
             strategy: the name recorded in the plan.
+            selective: per segment, whether it is recomputed under the policy
+                (see `Chain.policy_kept_bytes`); None: none is.
 
         Returns:
             The plan.
@@ -141,8 +162,16 @@ class Plan:
 proven_optimal=False)
         """
         checked = check_segments("Plan.from_segments", chain, segments)
-        peak, cost = estimate(chain, checked)
-        return cls(checked, peak_bytes=peak, recompute_cost=cost, strategy=strategy, chain=chain)
+        modes = check_selective("Plan.from_segments", chain, checked, selective)
+        peak, cost = estimate(chain, checked, modes)
+        return cls(
+            checked,
+            peak_bytes=peak,
+            recompute_cost=cost,
+            strategy=strategy,
+            chain=chain,
+            selective=modes,
+        )
 
     @property
     def recomputed_links(self) -> tuple[int, ...]:
@@ -156,14 +185,19 @@ proven_optimal=False)
 
     def timeline(self) -> list[MemoryEvent]:
         """The memory over one training step; see `tfrecompute.strategies.timeline`."""
-        return timeline(self.chain, self.segments)
+        return timeline(self.chain, self.segments, selective=self.selective or None)
+
+    def is_selective(self, index: int) -> bool:
+        """Whether segment `index` is recomputed under the policy."""
+        return bool(self.selective) and self.selective[index]
 
     def summary(self, *, all_names: bool = False) -> str:
         """A readable table of the plan: one row per run of stored links or segment.
 
         The "held" column is what a row keeps between its forward and its
         backward pass: the saved bytes of stored links; a segment's output plus
-        the carries it hands on (`Chain.carried_bytes`).
+        the carries it hands on (`Chain.carried_bytes`), plus, for a segment
+        recomputed under the policy (mode "selective"), the products it keeps.
 
         Args:
             all_names: list the name of every link of a row. By default the
@@ -200,7 +234,8 @@ proven_optimal=False)
         chain = self.chain
         runs = _runs(chain.n, self.segments)
         header = ("links", "names", "mode", "held", "recompute cost")
-        rows = [self._row(s, e, recomputed) for s, e, recomputed in runs]
+        selective = {self.segments[i] for i in range(len(self.segments)) if self.is_selective(i)}
+        rows = [self._row(s, e, recomputed, (s, e) in selective) for s, e, recomputed in runs]
         width = None if all_names else free_width(header, rows, 1)
         for row, (s, e, _) in zip(rows, runs):
             names = chain.names[s:e]
@@ -218,14 +253,17 @@ proven_optimal=False)
             ]
         )
 
-    def _row(self, s: int, e: int, recomputed: bool) -> list[str]:
+    def _row(self, s: int, e: int, recomputed: bool, selective: bool = False) -> list[str]:
         """A row of `summary` for links `s..e-1`, its names left empty."""
         chain = self.chain
         span = str(s) if e - s == 1 else f"{s}-{e - 1}"
         if recomputed:  # its output and the carries it hands on
             held = chain.output_bytes[e - 1] + chain.carried_bytes(s, e)
-            cost = _number(math.fsum(chain.forward_cost[s:e]))
-            return [span, "", "recomputed", format_bytes(held), cost]
+            if selective and chain.policy_kept_bytes is not None:
+                held += sum(chain.policy_kept_bytes[s:e])
+            cost = _number(recompute_cost(chain, ((s, e),), (selective,)))
+            mode = "selective" if selective else "recomputed"
+            return [span, "", mode, format_bytes(held), cost]
         return [span, "", "stored", format_bytes(sum(chain.saved_bytes[s:e])), "-"]
 
 

@@ -75,6 +75,16 @@ Backward, elements in reverse order; the gradient of the element's output,
   `H + K_s + S(s..j) + a_{j+1} + g_j + ws_j + G_j + U(j, e)`, and `saved_j` is
   released after it.
 
+A segment may be recomputed *under the policy* (the chain's third state,
+`Chain.policy_kept_bytes` `k_i` and `Chain.policy_forward_cost`; `selective`
+marks such segments): its forward also keeps the products the policy keeps,
+`k_s + ... + k_j` live while link `j` runs and `K(s..e-1)` held after it
+(`H += a_e + C(s, e) + K(s..e-1)`); in the backward they are released with
+the held outputs, and while link `j` is recomputed the products of the links
+not yet recomputed, `K(j..e-1)`, are still live (each is used by its link's
+recompute). Its recompute costs `policy_forward_cost` instead of
+`forward_cost`.
+
 The step ends with the optimizer update, when `H = a_0` and all parameter
 gradients kept for it are live, with the copies the optimizer makes of them
 (`W = update_workspace_bytes`: clipped or unscaled gradients):
@@ -182,13 +192,17 @@ class Estimate(NamedTuple):
     recompute_cost: float
 
 
-def timeline(chain: Chain, segments: Iterable[Sequence[int]]) -> list[MemoryEvent]:
+def timeline(
+    chain: Chain, segments: Iterable[Sequence[int]], *, selective: Iterable[bool] | None = None
+) -> list[MemoryEvent]:
     """Replays one training step of a plan, moment by moment.
 
     Args:
         chain: the cost model.
         segments: sorted, disjoint half-open ranges `(start, stop)` of recomputed
             links (adjacent ranges allowed).
+        selective: per segment, whether it is recomputed under the policy
+            (needs a chain with `policy_kept_bytes`); None: none is.
 
     Returns:
         The events in time order: `n` forward events, then for each element in
@@ -204,10 +218,13 @@ def timeline(chain: Chain, segments: Iterable[Sequence[int]]) -> list[MemoryEven
         [20, 30, 30, 40, 50, 40]
     """
     checked = check_segments("timeline", chain, segments)
-    return [MemoryEvent._make(event) for event in _events(chain, checked)]
+    modes = check_selective("timeline", chain, checked, selective)
+    return [MemoryEvent._make(event) for event in _events(chain, checked, modes)]
 
 
-def simulate(chain: Chain, segments: Iterable[Sequence[int]]) -> Estimate:
+def simulate(
+    chain: Chain, segments: Iterable[Sequence[int]], *, selective: Iterable[bool] | None = None
+) -> Estimate:
     """Predicts the peak memory and the recompute cost of a plan.
 
     The peak is the maximum of `timeline(chain, segments)`; see the module
@@ -217,31 +234,96 @@ def simulate(chain: Chain, segments: Iterable[Sequence[int]]) -> Estimate:
         chain: the cost model.
         segments: sorted, disjoint half-open ranges `(start, stop)` of recomputed
             links.
+        selective: per segment, whether it is recomputed under the policy
+            (needs a chain with `policy_kept_bytes`); None: none is.
 
     Returns:
         `Estimate(peak_bytes, recompute_cost)`.
 
     Raises:
-        TypeError: `chain` is not a `Chain` or a segment is not a pair of ints.
-        ValueError: segments are empty, overlapping, unsorted or out of range.
+        TypeError: `chain` is not a `Chain`, a segment is not a pair of ints,
+            or `selective` holds something else than bools.
+        ValueError: segments are empty, overlapping, unsorted or out of range,
+            or `selective` does not fit them or the chain.
 
     Example:
         >>> simulate(Chain.homogeneous(2, activation_bytes=10), [(0, 2)])
         Estimate(peak_bytes=50, recompute_cost=2.0)
     """
     checked = check_segments("simulate", chain, segments)
-    return estimate(chain, checked)
+    return estimate(chain, checked, check_selective("simulate", chain, checked, selective))
 
 
-def estimate(chain: Chain, segments: tuple[tuple[int, int], ...]) -> Estimate:
-    """`simulate` for segments already checked (private to the package)."""
-    peak = max(live for _, _, live in _events(chain, segments))
-    cost = math.fsum(chain.forward_cost[j] for s, e in segments for j in range(s, e))
-    return Estimate(peak, cost)
+def estimate(
+    chain: Chain, segments: tuple[tuple[int, int], ...], selective: tuple[bool, ...] = ()
+) -> Estimate:
+    """`simulate` for segments and `selective` already checked (private to the package)."""
+    peak = max(live for _, _, live in _events(chain, segments, selective))
+    return Estimate(peak, recompute_cost(chain, segments, selective))
+
+
+def recompute_cost(
+    chain: Chain, segments: tuple[tuple[int, int], ...], selective: tuple[bool, ...] = ()
+) -> float:
+    """The summed recompute cost of the segments (private to the package)."""
+    modes = selective or (False,) * len(segments)
+    policy = chain.policy_forward_cost
+    return math.fsum(
+        (policy if under and policy is not None else chain.forward_cost)[j]
+        for (s, e), under in zip(segments, modes)
+        for j in range(s, e)
+    )
+
+
+def check_selective(
+    api: str, chain: Chain, segments: tuple[tuple[int, int], ...], selective: object
+) -> tuple[bool, ...]:
+    """Validates `selective` against the segments and the chain; () when none is (or for ())."""
+    if selective is None:
+        return ()
+    if isinstance(selective, (str, bytes)) or not isinstance(selective, Iterable):
+        fail(
+            api,
+            "selective must be a sequence of bools, one per segment",
+            "selective",
+            selective,
+            "Pass e.g. [True, False] for two segments, or None",
+            error=TypeError,
+        )
+    flags = tuple(selective)
+    if not flags:  # () means none, as None does
+        return ()
+    if not all(isinstance(flag, bool) for flag in flags):
+        fail(
+            api,
+            "selective must hold bools only",
+            "selective",
+            selective,
+            "Pass True (under the policy) or False per segment",
+            error=TypeError,
+        )
+    if len(flags) != len(segments):
+        fail(
+            api,
+            f"selective has {len(flags)} entries for {len(segments)} segments",
+            "selective",
+            selective,
+            "Pass one bool per segment",
+        )
+    if any(flags) and not chain.has_policy:
+        fail(
+            api,
+            "a segment is marked selective but the chain has no policy costs",
+            "selective",
+            selective,
+            "Profile with a policy (profile(model, ..., policy='dots')) or build the Chain "
+            "with policy_kept_bytes and policy_forward_cost",
+        )
+    return flags if any(flags) else ()
 
 
 def _events(
-    chain: Chain, segments: tuple[tuple[int, int], ...]
+    chain: Chain, segments: tuple[tuple[int, int], ...], selective: tuple[bool, ...] = ()
 ) -> Iterator[tuple[Phase, int, int]]:
     """Generates the moments `(phase, link, live_bytes)` of one training step.
 
@@ -262,34 +344,39 @@ def _events(
     def updates(j: int, e: int) -> int:  # U(j, e)
         return applied[min(n, max(e, j + lag + 1))] - applied[j]
 
-    elements = _elements(n, segments)
+    elements = _elements(n, segments, selective)
     carried: dict[int, list[int]] = {}  # segment start -> [C(s, s), ..., C(s, e)]
     none = [0] * (n + 1)  # the carry profile of any segment when there are no carries
+    products = chain.policy_kept_bytes or (0,) * n  # k_i, under the policy
 
     held = act[0]
-    for s, e, recomputed in elements:
-        if not recomputed:
+    for s, e, mode in elements:
+        if mode == _STORED:
             yield ("forward", s, base + held + saved[s] + work[s])
             held += saved[s]
             continue
         inside = carried[s] = carry_profile(chain, s, e) if chain.carries else none
+        kept = 0  # K(s..j) under the policy
         for j in range(s, e):
+            kept += products[j] if mode == _SELECTIVE else 0
             transient = inside[j - s] + (act[j] if j > s else 0) + act[j + 1] + work[j]
-            yield ("forward", j, base + held + transient)
-        held += act[e] + inside[e - s]
+            yield ("forward", j, base + held + transient + kept)
+        held += act[e] + inside[e - s] + kept
 
-    for s, e, recomputed in reversed(elements):
-        if not recomputed:
+    for s, e, mode in reversed(elements):
+        if mode == _STORED:
             live = held + act[s + 1] + grad_in[s] + work[s] + grads[s] + updates(s, e)
             yield ("backward", s, base + live)
             held -= saved[s]
             continue
-        held -= act[e] + carried[s][e - s]
+        kept = sum(products[s:e]) if mode == _SELECTIVE else 0
+        held -= act[e] + carried[s][e - s] + kept
         again = copies[s]  # K_s: the copy of x_s the recompute reads
         lagging = regrads[e] + applied[min(n, e + lag)] - applied[e]  # R_e + V_e
         for j in range(s, e):
             again += saved[j]
-            yield ("recompute", j, base + held + act[e] + again + work[j] + lagging)
+            yield ("recompute", j, base + held + act[e] + again + work[j] + lagging + kept)
+            kept -= products[j] if mode == _SELECTIVE else 0
         for j in range(e - 1, s - 1, -1):
             live = held + again + act[j + 1] + grad_in[j] + work[j] + grads[j] + updates(j, e)
             yield ("backward", j, base + live)
@@ -336,15 +423,21 @@ def carry_profile(chain: Chain, s: int, e: int) -> list[int]:
     return profile
 
 
-def _elements(n: int, segments: tuple[tuple[int, int], ...]) -> list[tuple[int, int, bool]]:
-    """The plan's elements in order: `(start, stop, recomputed)`."""
-    elements: list[tuple[int, int, bool]] = []
+_STORED, _RECOMPUTED, _SELECTIVE = 0, 1, 2
+
+
+def _elements(
+    n: int, segments: tuple[tuple[int, int], ...], selective: tuple[bool, ...] = ()
+) -> list[tuple[int, int, int]]:
+    """The plan's elements in order: `(start, stop, mode)`, mode stored, recomputed or selective."""
+    elements: list[tuple[int, int, int]] = []
     position = 0
-    for s, e in segments:
-        elements.extend((i, i + 1, False) for i in range(position, s))
-        elements.append((s, e, True))
+    modes = selective or (False,) * len(segments)
+    for (s, e), under in zip(segments, modes):
+        elements.extend((i, i + 1, _STORED) for i in range(position, s))
+        elements.append((s, e, _SELECTIVE if under else _RECOMPUTED))
         position = e
-    elements.extend((i, i + 1, False) for i in range(position, n))
+    elements.extend((i, i + 1, _STORED) for i in range(position, n))
     return elements
 
 
