@@ -50,6 +50,7 @@ ORDER = [
     "tfrecompute.trace",
     "tfrecompute.expand",
     "tfrecompute.call_costs",
+    "tfrecompute.measured_costs",
     "tfrecompute.costs",
     "tfrecompute.rewrite",
     "tfrecompute.models",
