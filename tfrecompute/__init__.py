@@ -45,12 +45,14 @@ _TENSORFLOW_PARTS = (
     "RecomputeBlock",
     "StepMeasurement",
     "StepTrace",
+    "VerifiedPlan",
     "check_precision",
     "measure_step",
     "plan",
     "profile",
     "recompute",
     "trace_step",
+    "verified_plan",
 )
 
 __all__ = [
@@ -69,6 +71,7 @@ if importlib.util.find_spec("tensorflow") is not None:
 def _import_tensorflow_parts() -> dict[str, Any]:
     """Imports every TensorFlow part at once (so that `RecomputeBlock` is registered)."""
     from tfrecompute.costs import profile
+    from tfrecompute.fit import VerifiedPlan, verified_plan
     from tfrecompute.layers import RecomputeBlock
     from tfrecompute.measure import Allocation, StepMeasurement, StepTrace, measure_step, trace_step
     from tfrecompute.models import plan, recompute
@@ -86,6 +89,8 @@ def _import_tensorflow_parts() -> dict[str, Any]:
         "profile": profile,
         "recompute": recompute,
         "trace_step": trace_step,
+        "VerifiedPlan": VerifiedPlan,
+        "verified_plan": verified_plan,
     }
 
 

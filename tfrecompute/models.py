@@ -14,8 +14,8 @@ from typing import Any
 
 import keras
 
-from tfrecompute import strategies
-from tfrecompute._messages import fail
+from tfrecompute import fit, strategies
+from tfrecompute._messages import as_bool, fail
 from tfrecompute.costs import (
     COMPILED,
     ProfiledModel,
@@ -63,6 +63,38 @@ def _resolve_plan(api: str, model: keras.Model, strategy: Any, options: dict[str
     profiled = profiled_model(made.chain, model)
     assert profiled is not None  # strategies plan the chain they are given
     return made, profiled
+
+
+def _verified(
+    api: str, model: keras.Model, strategy: Any, options: dict[str, Any]
+) -> fit.VerifiedPlan:
+    """`recompute(..., verify=True)`: a plan measured to fit the budget."""
+    if options["budget"] is None or isinstance(strategy, strategies.Plan):
+        fail(
+            api,
+            "verify=True measures a plan made for a budget, so it needs a budget and a "
+            "strategy, not a Plan",
+            "budget",
+            options["budget"],
+            'Pass budget= (e.g. budget="1GiB") and a strategy name, or verify=False',
+        )
+    if options["headroom"] is not None:
+        fail(
+            api,
+            "verify=True takes its headroom from the measured step",
+            "headroom",
+            options["headroom"],
+            "Leave headroom=None, or pass verify=False",
+        )
+    made = fit.planner(
+        api,
+        model,
+        options["sample"],
+        strategy or _default_strategy(options["where"]),
+        depth=options["depth"],
+        where=options["where"],
+    )
+    return fit.verify(made, options["budget"])
 
 
 def _default_strategy(where: Any) -> strategies.Strategy:
@@ -211,6 +243,7 @@ def recompute(
     headroom: float | None = None,
     depth: int | None = None,
     where: Any = None,
+    verify: bool = False,
 ) -> keras.Model:
     """A checkpointed model: the plan's calls recomputed in backprop, in `RecomputeBlock`s.
 
@@ -233,6 +266,12 @@ def recompute(
 
     Args:
         model: a built Keras model: Sequential, Functional or subclassed.{shared}
+        verify: measure the plan instead of trusting a fixed headroom: with a
+            `budget` and a labelled `sample=(x, y)`, run the compiled train
+            step of the rewritten model, read the allocator's peak and
+            re-plan until the measured step fits the budget and uses most of
+            it (`tfrecompute.verified_plan`, whose `.model` this returns,
+            compiled like `model`, which must be compiled).
     Returns:
         The checkpointed model.
 
@@ -253,6 +292,8 @@ def recompute(
         "depth": depth,
         "where": where,
     }
+    if as_bool("recompute", "verify", verify):
+        return _verified("recompute", model, strategy, options).model
     chosen, profiled = _resolve_plan("recompute", model, strategy, options)
     return rewrite(profiled.graph, profiled.call_segments(chosen.segments))
 
