@@ -55,9 +55,11 @@ ORDER = [
     "tfrecompute.rewrite",
     "tfrecompute.measure",
     "tfrecompute.fit",
+    "tfrecompute.max_batch",
     "tfrecompute.models",
     "tfrecompute.precision",
     "tfrecompute",
+    "tfrecompute._probe",
     "tfrecompute.cli",
     "tfrecompute.__main__",
 ]

@@ -41,12 +41,15 @@ __version__ = "0.1.0"
 
 _TENSORFLOW_PARTS = (
     "Allocation",
+    "BatchProbe",
+    "MaxBatch",
     "PrecisionFinding",
     "RecomputeBlock",
     "StepMeasurement",
     "StepTrace",
     "VerifiedPlan",
     "check_precision",
+    "max_batch_size",
     "measure_step",
     "plan",
     "profile",
@@ -73,6 +76,7 @@ def _import_tensorflow_parts() -> dict[str, Any]:
     from tfrecompute.costs import profile
     from tfrecompute.fit import VerifiedPlan, verified_plan
     from tfrecompute.layers import RecomputeBlock
+    from tfrecompute.max_batch import BatchProbe, MaxBatch, max_batch_size
     from tfrecompute.measure import Allocation, StepMeasurement, StepTrace, measure_step, trace_step
     from tfrecompute.models import plan, recompute
     from tfrecompute.precision import PrecisionFinding, check_precision
@@ -90,6 +94,9 @@ def _import_tensorflow_parts() -> dict[str, Any]:
         "recompute": recompute,
         "trace_step": trace_step,
         "VerifiedPlan": VerifiedPlan,
+        "BatchProbe": BatchProbe,
+        "MaxBatch": MaxBatch,
+        "max_batch_size": max_batch_size,
         "verified_plan": verified_plan,
     }
 

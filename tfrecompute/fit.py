@@ -43,6 +43,7 @@ __all__ = ["Probe", "VerifiedPlan", "labelled", "planner", "verified_plan", "ver
 AIM = 0.97  # the share of the budget a re-plan aims its measured peak at
 FULL = 0.85  # a measured step at or above this share of the budget ends the search
 ROUNDS = 4  # at most this many measured steps per verified plan
+OVER = 1.25  # a least predicted peak up to this share of the budget is still measured
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +182,8 @@ def verify(
 ) -> VerifiedPlan:
     """NOTE [ Re-planning with the measured correction ] for a profiled model."""
     total = budget_bytes(budget, api=planner.api, name="budget")
-    planned, plan = _first_plan(planner, total)
+    planned, first = _first_plan(planner, total)
+    plan: strategies.Plan | None = first
     measured: dict[tuple[tuple[int, int], ...], Probe] = {}
     plans: dict[tuple[tuple[int, int], ...], strategies.Plan] = {}
     probes: list[Probe] = []
@@ -205,14 +207,23 @@ def verify(
     )
 
 
-def _first_plan(planner: _Planner, total: int) -> tuple[int, strategies.Plan | None]:
+def _first_plan(planner: _Planner, total: int) -> tuple[int, strategies.Plan]:
     """The first plan: under the default headroom, or as low as plans go when that is
-    infeasible; raises `InfeasibleBudgetError` when no plan is predicted to fit at all."""
-    strategies.plan_within(planner.api, planner.strategy, planner.chain, total, 0)
+    infeasible. Predictions can exceed the measured peak, so the least-peak plan is
+    measured even when predicted up to `OVER` times the budget; beyond that
+    `InfeasibleBudgetError` is raised."""
+    try:
+        within = strategies.plan_within(planner.api, planner.strategy, planner.chain, total, 0)
+    except InfeasibleBudgetError as error:
+        if error.minimum > OVER * total:
+            raise
+        least = planner.strategy(planner.chain, budget=None)  # measured: it may still fit
+        return least.peak_bytes, least
     planned = max(
         math.floor(total * (1 - strategies.DEFAULT_HEADROOM)), strategies.min_peak(planner.chain)
     )
-    return planned, _plan_or_none(planner, planned)
+    plan = _plan_or_none(planner, planned)
+    return (planned, plan) if plan is not None else (total, within)
 
 
 def _plan_or_none(planner: _Planner, planned: int) -> strategies.Plan | None:
