@@ -39,6 +39,8 @@ def test_a_verified_plan_measures_within_its_budget_and_uses_most_of_it():
     assert verified.peak_bytes <= budget
     assert verified.share >= 0.6, verified.probes
     assert all(p.measured_bytes > 0 for p in verified.probes)
+    weight_bytes = sum(w.nbytes for w in weights)
+    assert weight_bytes <= verified.state_bytes < 1.01 * weight_bytes  # SGD keeps no slots
     for variable, value in zip(model.weights, weights):  # measuring trained nothing
         np.testing.assert_array_equal(variable.numpy(), value)
     history = verified.model.fit(x, y, batch_size=512, epochs=1, verbose=0)

@@ -55,12 +55,15 @@ class Probe:
         predicted_bytes: the plan's predicted peak.
         measured_bytes: the allocator's peak of its compiled train step.
         recompute_cost: the plan's recompute cost.
+        state_bytes: the model's weights and its optimizer's variables: what
+            the device holds besides the step (not part of the budget).
     """
 
     planned_bytes: int
     predicted_bytes: int
     measured_bytes: int
     recompute_cost: float
+    state_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +84,11 @@ class VerifiedPlan:
     peak_bytes: int
     budget_bytes: int
     probes: tuple[Probe, ...]
+
+    @property
+    def state_bytes(self) -> int:
+        """The weights and optimizer variables the device holds besides the step's budget."""
+        return max(p.state_bytes for p in self.probes)
 
     @property
     def share(self) -> float:
@@ -152,11 +160,17 @@ class _Planner:
         """Measures `plan`'s compiled step; the model's weights are restored afterwards."""
         values = [np.array(v.numpy()) for v in self.model.variables]
         try:
-            step = measure_step(self.rewritten(plan), self.x, self.y, steps=2)
+            rewritten = self.rewritten(plan)
+            step = measure_step(rewritten, self.x, self.y, steps=2)
+            state = _bytes(rewritten.variables) + _bytes(rewritten.optimizer.variables)
         finally:
             for variable, value in zip(self.model.variables, values):
                 variable.assign(value)
-        return Probe(planned, plan.peak_bytes, step.peak_bytes, plan.recompute_cost)
+        return Probe(planned, plan.peak_bytes, step.peak_bytes, plan.recompute_cost, state)
+
+
+def _bytes(variables: Any) -> int:
+    return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variables)
 
 
 def planner(
