@@ -180,6 +180,7 @@ def merge_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _markdown(results: list[dict[str, Any]]) -> str:
     runs = max(result["runs"] for result in results)
+    traces = len(results[0]["rows"][0]["allocator_overhead"]) // results[0]["runs"]
     lines = [
         "# Predicted against measured step memory",
         "",
@@ -187,7 +188,7 @@ def _markdown(results: list[dict[str, Any]]) -> str:
         f"{runs} times, each time in a fresh process (SGD). Error = predicted / measured - 1.",
         "",
         "- *measured*: the allocator's peak over 3 steps (`measure_step`): what a step needs.",
-        f"- *requested*: the largest requested peak of {TRACES} traced steps (`trace_step`): "
+        f"- *requested*: the largest requested peak of {traces} traced steps (`trace_step`): "
         "the most bytes the step's tensors asked for at any moment, without the "
         "allocator's rounding of chunks, which is what the memory model predicts.",
         "- *rounding*: each traced step's allocator peak over its requested peak, minus one "
@@ -230,6 +231,7 @@ def _markdown(results: list[dict[str, Any]]) -> str:
                     f"| {result['model']} | {budget / 2**20:.1f} | {row['headroom']:.0%} | "
                     f"{row['predicted_bytes'] / budget:.0%} | {shares} |"
                 )
+    lines += _measured_costs_section(results)
     lines += [
         "",
         "## The highest traced peak of each sqrt plan (first run)",
@@ -244,13 +246,68 @@ def _markdown(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _measured_costs_section(results: list[dict[str, Any]]) -> list[str]:
+    """Errors before and after measured costs, and the verified plans against their budget."""
+    lines = [
+        "",
+        "## Before and after measured costs",
+        "",
+        "*static*: the same plan's peak on the chain read from the gradient graphs alone "
+        "(`profile(measure=False)`); *measured costs*: the default, which runs the calls "
+        "the graph does not show (XLA functions, custom gradients). Errors against the "
+        "allocator's peak, each run.",
+        "",
+        "| model | strategy | static MiB | error, static | measured costs MiB | error |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for result in results:
+        for row in result["rows"]:
+            if "static_predicted_bytes" not in row:
+                continue
+            static = [row["static_predicted_bytes"] / m - 1 for m in row["measured_bytes_runs"]]
+            lines.append(
+                f"| {result['model']} | {row['strategy']} | "
+                f"{row['static_predicted_bytes'] / 2**20:.1f} | "
+                f"{', '.join(f'{e:+.0%}' for e in static)} | "
+                f"{row['predicted_bytes'] / 2**20:.1f} | "
+                f"{', '.join(f'{e:+.0%}' for e in row['errors'])} |"
+            )
+    lines += [
+        "",
+        "## Verified plans against their budget",
+        "",
+        "`verified_plan(model, (x, y), budget=...)` with the optimal rows' budget: the "
+        "measured peak of the plan it keeps (in its own measurement, and measured again "
+        "with the other rows), each run, and the plans it measured on the way "
+        "(predicted -> measured MiB).",
+        "",
+        "| model | budget MiB | verified / budget | measured again / budget | probes |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for result in results:
+        for row in result["rows"]:
+            if row["strategy"] != "verified":
+                continue
+            budget = row["budget_bytes"]
+            again = ", ".join(f"{m / budget:.0%}" for m in row["measured_bytes_runs"])
+            probes = "; ".join(
+                f"{p['predicted_bytes'] / 2**20:.0f} -> {p['measured_bytes'] / 2**20:.0f}"
+                for p in row["probes"]
+            )
+            lines.append(
+                f"| {result['model']} | {budget / 2**20:.1f} | "
+                f"{row['verified_bytes'] / budget:.0%} | {again} | {probes} |"
+            )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--runs", type=int, default=3, help="fresh processes per model")
     parser.add_argument("--out", type=pathlib.Path, default=_report.RESULTS)
-    parser.add_argument("--traces", type=int, default=TRACES, help=argparse.SUPPRESS)
+    parser.add_argument("--traces", type=int, default=TRACES, help="traced steps per plan")
     parser.add_argument("--worker", choices=MODELS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -259,7 +316,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if args.runs < 1:
         parser.error(f"--runs must be at least 1. Received: --runs={args.runs}.")
     results = [
-        merge_runs([run_in_subprocess(name, args.batch_size) for _ in range(args.runs)])
+        merge_runs(
+            [run_in_subprocess(name, args.batch_size, args.traces) for _ in range(args.runs)]
+        )
         for name in args.models
     ]
     args.out.mkdir(parents=True, exist_ok=True)
