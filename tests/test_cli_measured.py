@@ -66,3 +66,13 @@ def test_max_batch_draws_a_bar_per_batch_size_and_fails_when_none_fits(saved, ca
     err = capsys.readouterr().err
     assert re.search(r"batch +64 \[-{30}\] +no plan is predicted to fit", err), err
     assert "max_batch_size: even batch size 64 does not fit the budget 1.00 MiB" in err
+
+
+def test_profile_measure_time_shows_measured_forward_milliseconds(saved, capsys):
+    args = ["profile", saved["uncompiled"], "--batch-size", "64", "--measure", "--measure-time"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("#"))
+    assert header.split()[-1] == "forward"
+    assert re.search(r"forward cost [0-9.]+ ms", out), out
+    assert "each link's forward (measured time)" in out

@@ -136,6 +136,17 @@ def _build_parser() -> argparse.ArgumentParser:
 
     profile = model_command("profile", "Print the per-link memory and compute costs of a model.")
     all_names(profile)
+    profile.add_argument(
+        "--measure",
+        action="store_true",
+        help="run every layer call and read the allocator (by default only the calls whose "
+        "gradient graph does not show what they allocate, such as XLA functions)",
+    )
+    profile.add_argument(
+        "--measure-time",
+        action="store_true",
+        help="replace the estimated FLOPs of each link by its measured forward time",
+    )
 
     frontier = model_command(
         "frontier", "Print (and plot) the memory / recompute-cost Pareto frontier."
@@ -360,6 +371,7 @@ def _profile(
     optimizer: Any = None,
     dim: int | None = None,
     progress: TextIO | None = None,
+    measure: dict[str, Any] | None = None,
 ) -> strategies.Chain:
     """`tfrecompute.profile`, with a progress bar of analysed layer calls on `progress`.
 
@@ -369,8 +381,9 @@ def _profile(
     import tfrecompute
 
     sample = _sample(model, batch_size, dim)
+    measure = measure or {}
     if progress is None:
-        return tfrecompute.profile(model, batch_size, sample=sample, optimizer=optimizer)
+        return tfrecompute.profile(model, batch_size, sample=sample, optimizer=optimizer, **measure)
     interactive = progress.isatty()
     start = time.perf_counter()
     counted = {"total": 0}
@@ -382,7 +395,7 @@ def _profile(
             progress.flush()
 
     chain = tfrecompute.profile(
-        model, batch_size, sample=sample, optimizer=optimizer, progress=report
+        model, batch_size, sample=sample, optimizer=optimizer, progress=report, **measure
     )
     summary = f"profiled {counted['total']} layer calls in {time.perf_counter() - start:.1f} s"
     if interactive:  # overwrite the whole bar
@@ -405,8 +418,19 @@ def _chain(
             optimizer=loaded.optimizer,
             dim=args.dim,
             progress=sys.stderr if progress else None,
+            measure=_measure_options(args),
         )
     return loaded.model, chain
+
+
+def _measure_options(args: argparse.Namespace) -> dict[str, Any]:
+    """`profile`'s `measure` and `measure_time` from `--measure` and `--measure-time`."""
+    options: dict[str, Any] = {}
+    if getattr(args, "measure", False):
+        options["measure"] = True
+    if getattr(args, "measure_time", False):
+        options["measure_time"] = True
+    return options
 
 
 # ------------------------------------------------------------------ measured
@@ -514,6 +538,11 @@ def _flops(value: float) -> str:
     return f"{value:.0f}"
 
 
+def _cost(value: float, seconds: bool) -> str:
+    """A forward cost: measured seconds as milliseconds, else FLOPs."""
+    return f"{value * 1e3:.2f} ms" if seconds else _flops(value)
+
+
 def _cmd_profile(args: argparse.Namespace) -> int:
     _, chain = _chain("profile", args, progress=True)
     fmt = strategies.format_bytes
@@ -526,21 +555,24 @@ def _cmd_profile(args: argparse.Namespace) -> int:
             fmt(chain.workspace_bytes[i]),
             fmt(chain.kept_grad_bytes[i] + chain.applied_grad_bytes[i]),
             fmt(chain.input_copy_bytes[i]),
-            _flops(chain.forward_cost[i]),
+            _cost(chain.forward_cost[i], args.measure_time),
         ]
         for i in range(chain.n)
     ]
-    header = ("#", "name", "output", "saved", "workspace", "grads", "copy", "FLOPs")
+    cost = "forward" if args.measure_time else "FLOPs"
+    header = ("#", "name", "output", "saved", "workspace", "grads", "copy", cost)
     width = None if args.all_names else free_width(header, rows, 1)
     for row, name in zip(rows, chain.names):
         row[1] = span_name([name], width)
     print(f"Chain of {chain.n} links at batch size {args.batch_size}")
     print(table(header, rows, right={0, 2, 3, 4, 5, 6, 7}))
+    total = _cost(chain.total_forward_cost, args.measure_time)
     print(
         f"Input {fmt(chain.input_bytes)}; saved in total {fmt(sum(chain.saved_bytes))}; "
-        f"forward cost {_flops(chain.total_forward_cost)}FLOPs"
+        f"forward cost {total}{'' if args.measure_time else 'FLOPs'}"
     )
-    print("FLOPs: each link's forward; copy: the copy of its input a recompute reads")
+    what = "measured time" if args.measure_time else "estimated FLOPs"
+    print(f"{cost}: each link's forward ({what}); copy: the copy of its input a recompute reads")
     if any(chain.kept_grad_bytes):
         print(
             "Weight gradients (grads): all kept until the step's end (the optimizer needs "
