@@ -95,12 +95,13 @@ def _assert_largest(found, multiple: int, budget: int) -> None:
 def test_max_batch_size_finds_the_largest_measured_fit_in_fresh_processes():
     model = _chain_model()
     seen = []
+    # Storing everything measures about 11.3 MiB at batch 256; 512 is predicted at 22 MiB.
     found = tfrecompute.max_batch_size(
-        model, _batch(8), budget=12 * MiB, strategy="none", multiple=256, progress=seen.append
+        model, _batch(8), budget=14 * MiB, strategy="none", multiple=256, progress=seen.append
     )
     assert found.batch_size == 256, found.probes
     assert [p.batch_size for p in seen] == [256, 512]
-    _assert_largest(found, 256, 12 * MiB)
+    _assert_largest(found, 256, 14 * MiB)
     assert found.plan.segments == ()
 
 
