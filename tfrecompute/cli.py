@@ -136,17 +136,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     profile = model_command("profile", "Print the per-link memory and compute costs of a model.")
     all_names(profile)
-    profile.add_argument(
-        "--measure",
-        action="store_true",
-        help="run every layer call and read the allocator (by default only the calls whose "
-        "gradient graph does not show what they allocate, such as XLA functions)",
-    )
-    profile.add_argument(
-        "--measure-time",
-        action="store_true",
-        help="replace the estimated FLOPs of each link by its measured forward time",
-    )
+    _measure_flags(profile)
 
     frontier = model_command(
         "frontier", "Print (and plot) the memory / recompute-cost Pareto frontier."
@@ -163,6 +153,20 @@ def _build_parser() -> argparse.ArgumentParser:
 
     _max_batch_options(commands)
     return parser
+
+
+def _measure_flags(profile: argparse.ArgumentParser) -> None:
+    profile.add_argument(
+        "--measure",
+        action="store_true",
+        help="run every layer call and read the allocator (by default only the calls whose "
+        "gradient graph does not show what they allocate, such as XLA functions)",
+    )
+    profile.add_argument(
+        "--measure-time",
+        action="store_true",
+        help="replace the estimated FLOPs of each link by its measured forward time",
+    )
 
 
 def _max_batch_options(commands: Any) -> None:
