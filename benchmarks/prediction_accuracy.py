@@ -27,6 +27,7 @@ import os
 import pathlib
 import platform
 import sys
+import time
 from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -89,13 +90,16 @@ def measure(name: str, batch_size: int, traces: int = TRACES) -> dict[str, objec
         rows[-1]["budget_bytes"] = budget if strategy == "optimal" else None
         rows[-1]["headroom"] = strategies.DEFAULT_HEADROOM if strategy == "optimal" else None
     model.compile(optimizer="sgd", loss="mse")
+    start = time.perf_counter()
     verified = tfrecompute.verified_plan(model, (x, y), budget=budget)
+    seconds = time.perf_counter() - start
     rows.append(_row("verified", verified.plan, verified.model, (x, y), static, traces))
     rows[-1].update(
         budget_bytes=budget,
         headroom=None,
         verified_bytes=verified.peak_bytes,
         probes=[dataclasses.asdict(p) for p in verified.probes],
+        verify_seconds=seconds,
     )
     return {"model": name, "batch_size": batch_size, "links": chain.n, "rows": rows}
 
