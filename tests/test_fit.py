@@ -127,3 +127,13 @@ def test_max_batch_size_probes_in_fresh_processes_by_strategy_name():
         tfrecompute.max_batch_size(
             _chain_model(2), _batch(8), budget="1GiB", strategy=strategies.sqrt
         )
+
+
+def test_a_verified_plan_refuses_in_place_checkpoints_it_could_not_undo():
+    from tests.any_models import loop_transformer
+
+    keras.utils.set_random_seed(0)
+    model, sample = loop_transformer(layers=2, hidden=32, sequence=8)
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match=r"verified_plan: a verified plan rewrites the model"):
+        tfrecompute.verified_plan(model, sample, budget="1GiB")

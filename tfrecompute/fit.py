@@ -187,6 +187,18 @@ def planner(
     _check_compiled(api, model)
     chosen = strategies.get(strategy)
     graph = traced_graph(api, model, sample, None, depth=depth, where=where)
+    if any(c.in_place or c.region not in (None, graph.root) for c in graph.calls):
+        fail(
+            api,
+            "a verified plan rewrites the model once per measured plan, and some of its "
+            "calls are made by a subclassed layer's code, so they would be checkpointed in "
+            "place, which a later rewrite cannot undo",
+            "model",
+            model,
+            "Plan it with tfrecompute.recompute(model, budget=..., sample=...) and the default "
+            "headroom, or limit the plan to its graph calls with depth=0",
+            by_name=True,
+        )
     chain = profile_graph(graph, batch_of(graph), COMPILED, where=where)
     return _Planner(api, model, chain, chosen, x, y)
 

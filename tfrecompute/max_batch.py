@@ -104,7 +104,7 @@ def probe_batch(
     try:
         verified = verify(made, options["budget"])
     except InfeasibleBudgetError as error:
-        measured = error.minimum if "measured" in str(error) else 0
+        measured = error.minimum if "no measured train step fits" in str(error) else 0
         return BatchProbe(batch_size, False, int(measured))
     finally:
         gc.collect()
