@@ -196,7 +196,7 @@ def planner(
             "model",
             model,
             "Plan it with tfrecompute.recompute(model, budget=..., sample=...) and the default "
-            "headroom, or limit the plan to its graph calls with depth=0",
+            "headroom, or, for a Functional model, plan over its own calls with depth=0",
             by_name=True,
         )
     chain = profile_graph(graph, batch_of(graph), COMPILED, where=where)
