@@ -17,7 +17,7 @@ on, for at most `ROUNDS` measured steps, stopping once a measured step
 fits and uses at least `FULL` of the budget, or when the next plan is one
 already measured. A measured step fits when it is within `1 - MARGIN` of
 the budget: the same plan measured again later in the same process, after
-other steps left the allocator in another state, took up to 9% more
+other steps left the allocator in another state, took about 10% more
 (ResNet50 in benchmarks/results/prediction_accuracy.md). The plan returned
 is the least recompute among those whose measured step fitted. Each
 measured step runs on the model's weights, which are restored afterwards,
