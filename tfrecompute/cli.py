@@ -6,7 +6,8 @@ Subcommands (each takes `--help`):
   [--all-names]`: the plan table (`--all-names` names every layer of each
   row). A budget is planned less its headroom for the allocator
   (`tfrecompute.strategies.DEFAULT_HEADROOM` by default).
-* `profile MODEL.keras --batch-size N [--all-names]`: the per-link costs the planner sees.
+* `profile MODEL.keras --batch-size N [--all-names] [--measure] [--measure-time]`: the
+  per-link costs the planner sees (every call measured; forward times measured).
 * `frontier MODEL.keras --batch-size N [--plot out.png] [--budget B [--headroom H]]`:
   the memory/recompute-cost Pareto curve.
 * `timeline MODEL.keras --batch-size N [--plot out.png] [--strategy S] [--budget B [--headroom H]]`:
