@@ -31,15 +31,15 @@ def saved(tmp_path_factory) -> dict[str, str]:
 
 
 def test_plan_verify_prints_the_measured_step_within_the_budget(saved, capsys):
-    args = ["plan", saved["compiled"], "--batch-size", "512", "--budget", "8MiB", "--verify"]
+    args = ["plan", saved["compiled"], "--batch-size", "512", "--budget", "12MiB", "--verify"]
     assert main(args) == 0
     captured = capsys.readouterr()
     assert "measured a plan predicted at" in captured.err
     found = re.search(
-        r"Measured train step: ([0-9.]+) MiB, (\d+)% of the budget 8\.00 MiB", captured.out
+        r"Measured train step: ([0-9.]+) MiB, (\d+)% of the budget 12\.00 MiB", captured.out
     )
     assert found, captured.out
-    assert float(found.group(1)) <= 8 and int(found.group(2)) <= 100
+    assert float(found.group(1)) <= 0.9 * 12 and int(found.group(2)) <= 90
 
 
 @pytest.mark.parametrize(
