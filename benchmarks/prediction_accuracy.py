@@ -21,11 +21,13 @@ runs) to `benchmarks/results/` (or `--out`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
 import platform
 import sys
+import time
 from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -34,14 +36,24 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import _report  # noqa: E402
 
-MODELS = ("encoder", "mobilenet_v2", "resnet50", "unet")
+MODELS = ("convnext_tiny", "efficientnet_b0", "encoder", "mobilenet_v2", "resnet50", "unet")
+# ConvNeXtTiny at the batch of the issue that found its grouped convs' XLA buffer.
+BATCH_SIZES = {"convnext_tiny": 16}
 TRACES = 3  # traced steps per plan; the requested peak is the largest of them
 
 
 def _model(name: str):  # noqa: ANN202 (keras is imported in the worker only)
+    import keras
+
     from tests import models_zoo
 
     return {
+        "convnext_tiny": lambda: keras.applications.ConvNeXtTiny(
+            weights=None, input_shape=(64, 64, 3), classes=10
+        ),
+        "efficientnet_b0": lambda: keras.applications.EfficientNetB0(
+            weights=None, input_shape=(64, 64, 3), classes=10
+        ),
         "resnet50": lambda: models_zoo.resnet50(64),
         "mobilenet_v2": lambda: models_zoo.mobilenet_v2(64),
         "encoder": lambda: models_zoo.transformer_encoder(layers=4, sequence=64, hidden=128),
@@ -61,8 +73,10 @@ def measure(name: str, batch_size: int, traces: int = TRACES) -> dict[str, objec
 
     keras.utils.set_random_seed(0)
     model = _model(name)
+    batch_size = BATCH_SIZES.get(name, batch_size)
     x, y = synthetic_batch(model, batch_size)
     chain = tfrecompute.profile(model, batch_size=batch_size)
+    static = tfrecompute.profile(model, batch_size=batch_size, measure=False)
     halfway = (strategies.min_peak(chain) + strategies.simulate(chain, []).peak_bytes) // 2
     budget = int(halfway / (1 - strategies.DEFAULT_HEADROOM))
     rows = []
@@ -72,27 +86,47 @@ def measure(name: str, batch_size: int, traces: int = TRACES) -> dict[str, objec
         )
         rewritten = tfrecompute.recompute(model, plan) if plan.segments else model
         rewritten.compile(optimizer="sgd", loss="mse")
-        step = tfrecompute.measure_step(rewritten, x, y)
-        traced = [tfrecompute.trace_step(rewritten, x, y, warmup=1) for _ in range(traces)]
-        requested = max(max(t.requested_peak_bytes for t in traced), 1)
-        rows.append(
-            {
-                "strategy": strategy,
-                "segments": len(plan.segments),
-                "predicted_bytes": plan.peak_bytes,
-                "measured_bytes": step.peak_bytes,
-                "error": plan.peak_bytes / step.peak_bytes - 1,
-                "requested_bytes": requested,
-                "requested_error": plan.peak_bytes / requested - 1,
-                "allocator_overhead": [
-                    t.peak_bytes / max(t.requested_peak_bytes, 1) - 1 for t in traced
-                ],
-                "trace_summary": max(traced, key=lambda t: t.peak_bytes).summary(top=5),
-                "budget_bytes": budget if strategy == "optimal" else None,
-                "headroom": strategies.DEFAULT_HEADROOM if strategy == "optimal" else None,
-            }
-        )
+        rows.append(_row(strategy, plan, rewritten, (x, y), static, traces))
+        rows[-1]["budget_bytes"] = budget if strategy == "optimal" else None
+        rows[-1]["headroom"] = strategies.DEFAULT_HEADROOM if strategy == "optimal" else None
+    model.compile(optimizer="sgd", loss="mse")
+    start = time.perf_counter()
+    verified = tfrecompute.verified_plan(model, (x, y), budget=budget)
+    seconds = time.perf_counter() - start
+    rows.append(_row("verified", verified.plan, verified.model, (x, y), static, traces))
+    rows[-1].update(
+        budget_bytes=budget,
+        headroom=None,
+        verified_bytes=verified.peak_bytes,
+        probes=[dataclasses.asdict(p) for p in verified.probes],
+        verify_seconds=seconds,
+    )
     return {"model": name, "batch_size": batch_size, "links": chain.n, "rows": rows}
+
+
+def _row(strategy: str, plan, rewritten, batch, static, traces: int) -> dict[str, Any]:  # noqa: ANN001
+    """One plan's predicted peak (with and without measured costs) against its steps."""
+    import tfrecompute
+    from tfrecompute import strategies
+
+    x, y = batch
+    step = tfrecompute.measure_step(rewritten, x, y)
+    traced = [tfrecompute.trace_step(rewritten, x, y, warmup=1) for _ in range(traces)]
+    requested = max(max(t.requested_peak_bytes for t in traced), 1)
+    static_bytes = strategies.simulate(static, plan.segments).peak_bytes
+    return {
+        "strategy": strategy,
+        "segments": len(plan.segments),
+        "predicted_bytes": plan.peak_bytes,
+        "measured_bytes": step.peak_bytes,
+        "error": plan.peak_bytes / step.peak_bytes - 1,
+        "requested_bytes": requested,
+        "requested_error": plan.peak_bytes / requested - 1,
+        "allocator_overhead": [t.peak_bytes / max(t.requested_peak_bytes, 1) - 1 for t in traced],
+        "trace_summary": max(traced, key=lambda t: t.peak_bytes).summary(top=5),
+        "static_predicted_bytes": static_bytes,
+        "static_error": static_bytes / step.peak_bytes - 1,
+    }
 
 
 def run_in_subprocess(name: str, batch_size: int, traces: int = TRACES) -> dict[str, object]:
@@ -150,6 +184,7 @@ def merge_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _markdown(results: list[dict[str, Any]]) -> str:
     runs = max(result["runs"] for result in results)
+    traces = len(results[0]["rows"][0]["allocator_overhead"]) // results[0]["runs"]
     lines = [
         "# Predicted against measured step memory",
         "",
@@ -157,7 +192,7 @@ def _markdown(results: list[dict[str, Any]]) -> str:
         f"{runs} times, each time in a fresh process (SGD). Error = predicted / measured - 1.",
         "",
         "- *measured*: the allocator's peak over 3 steps (`measure_step`): what a step needs.",
-        f"- *requested*: the largest requested peak of {TRACES} traced steps (`trace_step`): "
+        f"- *requested*: the largest requested peak of {traces} traced steps (`trace_step`): "
         "the most bytes the step's tensors asked for at any moment, without the "
         "allocator's rounding of chunks, which is what the memory model predicts.",
         "- *rounding*: each traced step's allocator peak over its requested peak, minus one "
@@ -200,6 +235,7 @@ def _markdown(results: list[dict[str, Any]]) -> str:
                     f"| {result['model']} | {budget / 2**20:.1f} | {row['headroom']:.0%} | "
                     f"{row['predicted_bytes'] / budget:.0%} | {shares} |"
                 )
+    lines += _measured_costs_section(results)
     lines += [
         "",
         "## The highest traced peak of each sqrt plan (first run)",
@@ -214,13 +250,68 @@ def _markdown(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _measured_costs_section(results: list[dict[str, Any]]) -> list[str]:
+    """Errors before and after measured costs, and the verified plans against their budget."""
+    lines = [
+        "",
+        "## Before and after measured costs",
+        "",
+        "*static*: the same plan's peak on the chain read from the gradient graphs alone "
+        "(`profile(measure=False)`); *measured costs*: the default, which runs the calls "
+        "the graph does not show (XLA functions, custom gradients). Errors against the "
+        "allocator's peak, each run.",
+        "",
+        "| model | strategy | static MiB | error, static | measured costs MiB | error |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for result in results:
+        for row in result["rows"]:
+            if "static_predicted_bytes" not in row:
+                continue
+            static = [row["static_predicted_bytes"] / m - 1 for m in row["measured_bytes_runs"]]
+            lines.append(
+                f"| {result['model']} | {row['strategy']} | "
+                f"{row['static_predicted_bytes'] / 2**20:.1f} | "
+                f"{', '.join(f'{e:+.0%}' for e in static)} | "
+                f"{row['predicted_bytes'] / 2**20:.1f} | "
+                f"{', '.join(f'{e:+.0%}' for e in row['errors'])} |"
+            )
+    lines += [
+        "",
+        "## Verified plans against their budget",
+        "",
+        "`verified_plan(model, (x, y), budget=...)` with the optimal rows' budget: the "
+        "measured peak of the plan it keeps (in its own measurement, and measured again "
+        "with the other rows), each run, and the plans it measured on the way "
+        "(predicted -> measured MiB).",
+        "",
+        "| model | budget MiB | verified / budget | measured again / budget | probes |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for result in results:
+        for row in result["rows"]:
+            if row["strategy"] != "verified":
+                continue
+            budget = row["budget_bytes"]
+            again = ", ".join(f"{m / budget:.0%}" for m in row["measured_bytes_runs"])
+            probes = "; ".join(
+                f"{p['predicted_bytes'] / 2**20:.0f} -> {p['measured_bytes'] / 2**20:.0f}"
+                for p in row["probes"]
+            )
+            lines.append(
+                f"| {result['model']} | {budget / 2**20:.1f} | "
+                f"{row['verified_bytes'] / budget:.0%} | {again} | {probes} |"
+            )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--runs", type=int, default=3, help="fresh processes per model")
     parser.add_argument("--out", type=pathlib.Path, default=_report.RESULTS)
-    parser.add_argument("--traces", type=int, default=TRACES, help=argparse.SUPPRESS)
+    parser.add_argument("--traces", type=int, default=TRACES, help="traced steps per plan")
     parser.add_argument("--worker", choices=MODELS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -229,7 +320,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if args.runs < 1:
         parser.error(f"--runs must be at least 1. Received: --runs={args.runs}.")
     results = [
-        merge_runs([run_in_subprocess(name, args.batch_size) for _ in range(args.runs)])
+        merge_runs(
+            [run_in_subprocess(name, args.batch_size, args.traces) for _ in range(args.runs)]
+        )
         for name in args.models
     ]
     args.out.mkdir(parents=True, exist_ok=True)

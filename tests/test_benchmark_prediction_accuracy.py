@@ -87,3 +87,22 @@ def test_table_shows_optimal_plans_against_their_budget():
 def test_merge_runs_rejects_mismatched_runs(runs, match):
     with pytest.raises(ValueError, match=match):
         prediction_accuracy.merge_runs(runs)
+
+
+def test_table_shows_errors_before_and_after_measured_costs_and_verified_plans():
+    runs = [_run("convnext_tiny", [500 << 20, 400 << 20], ("none", "verified"))]
+    for row, static in zip(runs[0]["rows"], (250 << 20, 50 << 20)):
+        row["static_predicted_bytes"] = static
+    verified = runs[0]["rows"][1]
+    verified.update(
+        budget_bytes=500 << 20,
+        verified_bytes=450 << 20,
+        probes=[
+            {"predicted_bytes": 300 << 20, "measured_bytes": 600 << 20},
+            {"predicted_bytes": 100 << 20, "measured_bytes": 450 << 20},
+        ],
+    )
+    table = prediction_accuracy._markdown([prediction_accuracy.merge_runs(runs)])
+    assert "| convnext_tiny | none | 250.0 | -50% | 100.0 | -80% |" in table
+    assert "| convnext_tiny | verified | 50.0 | -88% | 100.0 | -75% |" in table
+    assert "| convnext_tiny | 500.0 | 90% | 80% | 300 -> 600; 100 -> 450 |" in table

@@ -41,16 +41,21 @@ __version__ = "0.1.0"
 
 _TENSORFLOW_PARTS = (
     "Allocation",
+    "BatchProbe",
+    "MaxBatch",
     "PrecisionFinding",
     "RecomputeBlock",
     "StepMeasurement",
     "StepTrace",
+    "VerifiedPlan",
     "check_precision",
+    "max_batch_size",
     "measure_step",
     "plan",
     "profile",
     "recompute",
     "trace_step",
+    "verified_plan",
 )
 
 __all__ = [
@@ -69,7 +74,9 @@ if importlib.util.find_spec("tensorflow") is not None:
 def _import_tensorflow_parts() -> dict[str, Any]:
     """Imports every TensorFlow part at once (so that `RecomputeBlock` is registered)."""
     from tfrecompute.costs import profile
+    from tfrecompute.fit import VerifiedPlan, verified_plan
     from tfrecompute.layers import RecomputeBlock
+    from tfrecompute.max_batch import BatchProbe, MaxBatch, max_batch_size
     from tfrecompute.measure import Allocation, StepMeasurement, StepTrace, measure_step, trace_step
     from tfrecompute.models import plan, recompute
     from tfrecompute.precision import PrecisionFinding, check_precision
@@ -86,6 +93,11 @@ def _import_tensorflow_parts() -> dict[str, Any]:
         "profile": profile,
         "recompute": recompute,
         "trace_step": trace_step,
+        "VerifiedPlan": VerifiedPlan,
+        "BatchProbe": BatchProbe,
+        "MaxBatch": MaxBatch,
+        "max_batch_size": max_batch_size,
+        "verified_plan": verified_plan,
     }
 
 

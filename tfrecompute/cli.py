@@ -6,11 +6,22 @@ Subcommands (each takes `--help`):
   [--all-names]`: the plan table (`--all-names` names every layer of each
   row). A budget is planned less its headroom for the allocator
   (`tfrecompute.strategies.DEFAULT_HEADROOM` by default).
-* `profile MODEL.keras --batch-size N [--all-names]`: the per-link costs the planner sees.
+* `profile MODEL.keras --batch-size N [--all-names] [--measure] [--measure-time]`: the
+  per-link costs the planner sees (every call measured; forward times measured).
 * `frontier MODEL.keras --batch-size N [--plot out.png] [--budget B [--headroom H]]`:
   the memory/recompute-cost Pareto curve.
 * `timeline MODEL.keras --batch-size N [--plot out.png] [--strategy S] [--budget B [--headroom H]]`:
   predicted live memory over one training step, without and with the plan.
+* `plan`, `frontier` and `timeline` take `--verify` with a `--budget`: the
+  plan's compiled train step is measured and re-planned until it fits
+  (`tfrecompute.verified_plan`; the model must be saved compiled), and
+  the measured peak is printed and plotted.
+* `max-batch MODEL.keras --budget B [--strategy S] [--multiple N]`: the
+  largest batch size whose measured step fits (`tfrecompute.max_batch_size`),
+  a bar per measured batch size.
+
+Measured commands run the model on random inputs labelled with its own
+outputs (NOTE [ The command line's sample batch ]).
 
 Arguments, budgets, headrooms and strategy names are checked before
 TensorFlow is imported, so `--help` and usage errors answer at once.
@@ -105,6 +116,12 @@ def _build_parser() -> argparse.ArgumentParser:
             help="the share of the budget left for the allocator's rounding "
             f"(default {strategies.DEFAULT_HEADROOM:g}; 0 plans to the budget)",
         )
+        sub.add_argument(
+            "--verify",
+            action="store_true",
+            help="run the plan's compiled train step (the model saved compiled) and re-plan "
+            "until the measured step fits the --budget; headroom then comes from the measurement",
+        )
 
     def all_names(sub: argparse.ArgumentParser) -> None:
         sub.add_argument(
@@ -120,6 +137,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     profile = model_command("profile", "Print the per-link memory and compute costs of a model.")
     all_names(profile)
+    _measure_flags(profile)
 
     frontier = model_command(
         "frontier", "Print (and plot) the memory / recompute-cost Pareto frontier."
@@ -134,7 +152,38 @@ def _build_parser() -> argparse.ArgumentParser:
     all_names(timeline)
     timeline.add_argument("--plot", metavar="OUT.png", help="write the timeline to a PNG file")
 
+    _max_batch_options(commands)
     return parser
+
+
+def _measure_flags(profile: argparse.ArgumentParser) -> None:
+    profile.add_argument(
+        "--measure",
+        action="store_true",
+        help="run every layer call and read the allocator (by default only the calls whose "
+        "gradient graph does not show what they allocate, such as XLA functions)",
+    )
+    profile.add_argument(
+        "--measure-time",
+        action="store_true",
+        help="replace the estimated FLOPs of each link by its measured forward time",
+    )
+
+
+def _max_batch_options(commands: Any) -> None:
+    text = "Find the largest batch size whose measured train step fits a budget."
+    sub = commands.add_parser("max-batch", help=text, description=text)
+    sub.add_argument(
+        "model", metavar="MODEL.keras", help="a model saved compiled with model.save()"
+    )
+    sub.add_argument("--budget", required=True, help='the most memory per step, e.g. "2GiB"')
+    names = ", ".join((*strategies.available(), "uniform:<k>"))
+    sub.add_argument("--strategy", default="optimal", help=f"one of {names} (default: optimal)")
+    sub.add_argument("--multiple", type=_positive_int, default=1, help="try multiples of N")
+    sub.add_argument("--limit", type=_positive_int, default=65536, help="the largest batch tried")
+    sub.add_argument("--dim", type=_positive_int, help="the size of unknown input dimensions")
+    sub.add_argument("--all-names", action="store_true", help="print every layer name in full")
+    sub.add_argument("-v", "--verbose", action="store_true", help="show TensorFlow's logs")
 
 
 def _model_options(sub: argparse.ArgumentParser) -> None:
@@ -210,8 +259,24 @@ def _strategy(command: str, name: str) -> strategies.Strategy:
 def _check_options(command: str, args: argparse.Namespace) -> None:
     """Every option a command has, checked before TensorFlow is imported."""
     if hasattr(args, "strategy"):
-        _headroom(command, args)
+        if hasattr(args, "headroom"):
+            _headroom(command, args)
+        else:
+            _budget(command, args.budget)
         _strategy(command, args.strategy)
+    if getattr(args, "verify", False):
+        if args.budget is None:
+            raise CliError(
+                f"tfrecompute {command}: --verify measures a plan made for a budget. "
+                "Pass a --budget too.",
+                code=2,
+            )
+        if args.headroom is not None:
+            raise CliError(
+                f"tfrecompute {command}: --verify takes its headroom from the measured step. "
+                f"{received('--headroom', args.headroom)}. Leave out --headroom.",
+                code=2,
+            )
 
 
 def _planned_budget(command: str, args: argparse.Namespace) -> plots.Budget | None:
@@ -318,6 +383,7 @@ def _profile(
     dim: int | None = None,
     progress: TextIO | None = None,
     policy: str | None = None,
+    measure: dict[str, Any] | None = None,
 ) -> strategies.Chain:
     """`tfrecompute.profile`, with a progress bar of analysed layer calls on `progress`.
 
@@ -327,9 +393,10 @@ def _profile(
     import tfrecompute
 
     sample = _sample(model, batch_size, dim)
+    measure = measure or {}
     if progress is None:
         return tfrecompute.profile(
-            model, batch_size, sample=sample, optimizer=optimizer, policy=policy
+            model, batch_size, sample=sample, optimizer=optimizer, policy=policy, **measure
         )
     interactive = progress.isatty()
     start = time.perf_counter()
@@ -342,7 +409,13 @@ def _profile(
             progress.flush()
 
     chain = tfrecompute.profile(
-        model, batch_size, sample=sample, optimizer=optimizer, progress=report, policy=policy
+        model,
+        batch_size,
+        sample=sample,
+        optimizer=optimizer,
+        progress=report,
+        policy=policy,
+        **measure,
     )
     summary = f"profiled {counted['total']} layer calls in {time.perf_counter() - start:.1f} s"
     if interactive:  # overwrite the whole bar
@@ -366,8 +439,102 @@ def _chain(
             dim=args.dim,
             progress=sys.stderr if progress else None,
             policy=getattr(args, "policy", None),
+            measure=_measure_options(args),
         )
     return loaded.model, chain
+
+
+def _measure_options(args: argparse.Namespace) -> dict[str, Any]:
+    """`profile`'s `measure` and `measure_time` from `--measure` and `--measure-time`."""
+    options: dict[str, Any] = {}
+    if getattr(args, "measure", False):
+        options["measure"] = True
+    if getattr(args, "measure_time", False):
+        options["measure_time"] = True
+    return options
+
+
+# ------------------------------------------------------------------ measured
+
+
+def _compile_saved(command: str, args: argparse.Namespace, model: Any) -> None:
+    """Compiles a loaded model from its saved compile config: a measured step needs it."""
+    with zipfile.ZipFile(args.model) as archive:
+        config = (json.loads(archive.read("config.json")).get("compile_config")) or None
+    if config is None:
+        raise CliError(
+            f"tfrecompute {command}: measuring runs the model's train step, but the model was "
+            f"saved uncompiled. {received('model', args.model)}. Save it after "
+            "model.compile(optimizer=..., loss=...)."
+        )
+    with _library_errors():
+        model.compile_from_config(config)
+
+
+def _labelled_batch(model: Any, batch_size: int, dim: int | None) -> tuple[Any, Any]:
+    """NOTE [ The command line's sample batch ]
+
+    Random normal floats (zeros for integer inputs, valid token ids) in the
+    shapes of the model's inputs, unknown dimensions `--dim` (1 without),
+    and as labels the model's own outputs on them: the arg-max over the last
+    axis for a sparse loss. Only their shapes and dtypes matter to memory.
+    """
+    import keras
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+
+    def sample(tensor: Any) -> Any:
+        shape = [batch_size, *((dim or 1) if d is None else d for d in tuple(tensor.shape)[1:])]
+        dtype = keras.backend.standardize_dtype(tensor.dtype)
+        if "int" in dtype or dtype == "bool":
+            return np.zeros(shape, dtype)
+        return rng.standard_normal(shape).astype(dtype)
+
+    declared = model.inputs[0] if isinstance(model, keras.Sequential) else model.input
+    x = keras.tree.map_structure(sample, declared)
+    y = keras.tree.map_structure(np.asarray, model(x, training=False))
+    if "sparse" in str(getattr(model.loss, "name", model.loss)):
+        y = keras.tree.map_structure(lambda t: np.argmax(t, axis=-1), y)
+    return x, y
+
+
+def _verified(command: str, model: Any, args: argparse.Namespace) -> Any:
+    """`tfrecompute.verified_plan` of the loaded model, each measured plan reported on stderr."""
+    import tfrecompute
+
+    _compile_saved(command, args, model)
+    total = _budget(command, args.budget) or 1
+    fmt = strategies.format_bytes
+
+    def report(probe: Any) -> None:
+        sys.stderr.write(
+            f"measured a plan predicted at {fmt(probe.predicted_bytes)}: "
+            f"{fmt(probe.measured_bytes)}, {probe.measured_bytes / total:.0%} of the budget\n"
+        )
+
+    with _library_errors():
+        sample = _labelled_batch(model, args.batch_size, args.dim)
+        return tfrecompute.verified_plan(
+            model,
+            sample,
+            budget=args.budget,
+            strategy=args.strategy,
+            policy=getattr(args, "policy", None),
+            progress=report,
+        )
+
+
+def _verified_choice(
+    command: str, model: Any, args: argparse.Namespace, label: str
+) -> tuple[strategies.Plan, dict[str, int], plots.Budget]:
+    """With --verify: the verified plan, its measured peak by label, and the budget it marks."""
+    verified = _verified(command, model, args)
+    planned = next(
+        p.planned_bytes for p in verified.probes if p.measured_bytes == verified.peak_bytes
+    )
+    budget = plots.Budget(args.budget, verified.budget_bytes, planned)
+    return verified.plan, {label: verified.peak_bytes}, budget
 
 
 # ------------------------------------------------------------------ commands
@@ -375,9 +542,18 @@ def _chain(
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     model, chain = _chain("plan", args)
-    plan = _chosen("plan", chain, args)
+    if args.verify:
+        plan, measured, budget = _verified_choice("plan", model, args, "plan")
+    else:
+        plan, measured, budget = _chosen("plan", chain, args), {}, None
     print(f"Model {model.name!r} at batch size {args.batch_size}")
     print(plan.summary(all_names=args.all_names))
+    if budget is not None:
+        fmt = strategies.format_bytes
+        print(
+            f"Measured train step: {fmt(measured['plan'])}, {measured['plan'] / budget.total:.0%} "
+            f"of the budget {fmt(budget.total)} (planned within {fmt(budget.planned)})"
+        )
     return 0
 
 
@@ -386,6 +562,11 @@ def _flops(value: float) -> str:
         if abs(value) >= scale:
             return f"{value / scale:.2f} {unit}"
     return f"{value:.0f}"
+
+
+def _cost(value: float, seconds: bool) -> str:
+    """A forward cost: measured seconds as milliseconds, else FLOPs."""
+    return f"{value * 1e3:.2f} ms" if seconds else _flops(value)
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
@@ -400,26 +581,30 @@ def _cmd_profile(args: argparse.Namespace) -> int:
             fmt(chain.workspace_bytes[i]),
             fmt(chain.kept_grad_bytes[i] + chain.applied_grad_bytes[i]),
             fmt(chain.input_copy_bytes[i]),
-            _flops(chain.forward_cost[i]),
+            _cost(chain.forward_cost[i], args.measure_time),
         ]
         for i in range(chain.n)
     ]
-    header = ("#", "name", "output", "saved", "workspace", "grads", "copy", "FLOPs")
+    cost = "forward" if args.measure_time else "FLOPs"
+    header = ("#", "name", "output", "saved", "workspace", "grads", "copy", cost)
     width = None if args.all_names else free_width(header, rows, 1)
     for row, name in zip(rows, chain.names):
         row[1] = span_name([name], width)
     print(f"Chain of {chain.n} links at batch size {args.batch_size}")
     print(table(header, rows, right={0, 2, 3, 4, 5, 6, 7}))
+    total = _cost(chain.total_forward_cost, args.measure_time)
     print(
         f"Input {fmt(chain.input_bytes)}; saved in total {fmt(sum(chain.saved_bytes))}; "
-        f"forward cost {_flops(chain.total_forward_cost)}FLOPs"
+        f"forward cost {total}{'' if args.measure_time else 'FLOPs'}"
     )
-    print("FLOPs: each link's forward; copy: the copy of its input a recompute reads")
+    what = "measured time" if args.measure_time else "estimated FLOPs"
+    print(f"{cost}: each link's forward ({what}); copy: the copy of its input a recompute reads")
     if chain.policy_kept_bytes is not None and chain.policy_forward_cost is not None:
-        kept, cost = chain.policy_kept_bytes, chain.policy_forward_cost
+        kept = chain.policy_kept_bytes
+        again = _cost(math.fsum(chain.policy_forward_cost), args.measure_time)
         print(
             f"Under the policy the links keep {fmt(sum(kept))} of products in total and "
-            f"recompute for {_flops(math.fsum(cost))}FLOPs"
+            f"recompute for {again}{'' if args.measure_time else 'FLOPs'}"
         )
     if any(chain.kept_grad_bytes):
         print(
@@ -455,8 +640,9 @@ def _chosen(command: str, chain: Any, args: argparse.Namespace) -> strategies.Pl
 def _cmd_frontier(args: argparse.Namespace) -> int:
     _check_options("frontier", args)
     figure_class = _figure_class() if args.plot else None  # before the model loads
-    _, chain = _chain("frontier", args)
-    chosen = _chosen("frontier", chain, args)
+    model, chain = _chain("frontier", args)
+    label = _chosen_label(args)
+    chosen, measured, budget = _choice("frontier", model, chain, args, label)
     points = strategies.frontier(chain)
     marks = {
         "none": strategies.none(chain),
@@ -475,10 +661,10 @@ def _cmd_frontier(args: argparse.Namespace) -> int:
         f"{len(points)} plans" + (f", {len(shown)} shown" if len(shown) < len(points) else "")
     )
     print(table(header, rows, right=set(range(len(header)))))
-    label = _chosen_label(args)
     width = max(len(name) for name in [*marks, label]) + 2
     for name, plan in [*marks.items(), (label, chosen)]:
         print(f"{name:<{width}}peak {fmt(plan.peak_bytes)}, cost {_share(plan):.1f}%")
+    _print_measured(measured, budget)
     if figure_class is not None:
         figure = plots.frontier_figure(
             figure_class,
@@ -486,16 +672,35 @@ def _cmd_frontier(args: argparse.Namespace) -> int:
             marks,
             (label, chosen),
             title=_title("Memory / recompute trade-off", args),
-            budget=_planned_budget("frontier", args),
+            budget=budget,
+            measured=measured,
         )
         _save(figure, args.plot)
         print(f"Wrote {args.plot}")
     return 0
 
 
+def _choice(
+    command: str, model: Any, chain: Any, args: argparse.Namespace, label: str
+) -> tuple[strategies.Plan, dict[str, int], plots.Budget | None]:
+    """The chosen plan, measured peaks by label (with --verify), and the budget to mark."""
+    if args.verify:
+        return _verified_choice(command, model, args, label)
+    return _chosen(command, chain, args), {}, _planned_budget(command, args)
+
+
+def _print_measured(measured: dict[str, int], budget: plots.Budget | None) -> None:
+    for name, peak in measured.items():
+        total = budget.total if budget else 0
+        share = f", {peak / total:.0%} of the budget" if total else ""
+        print(f"{name}: measured train step {strategies.format_bytes(peak)}{share}")
+
+
 def _chosen_label(args: argparse.Namespace) -> str:
     if not args.budget:
         return str(args.strategy)
+    if args.verify:
+        return f"{args.strategy} @ {args.budget} (verified)"
     headroom = strategies.DEFAULT_HEADROOM if args.headroom is None else args.headroom
     return f"{args.strategy} @ {args.budget} (headroom {headroom})"
 
@@ -514,10 +719,10 @@ def _spread(points: list[strategies.Plan], most: int) -> list[strategies.Plan]:
 def _cmd_timeline(args: argparse.Namespace) -> int:
     _check_options("timeline", args)
     figure_class = _figure_class() if args.plot else None  # before the model loads
-    _, chain = _chain("timeline", args)
-    chosen = _chosen("timeline", chain, args)
-    base = strategies.none(chain)
+    model, chain = _chain("timeline", args)
     label = _chosen_label(args)
+    chosen, measured, budget = _choice("timeline", model, chain, args, label)
+    base = strategies.none(chain)
     rows = []
     for name, plan in (("none", base), (label, chosen)):
         events = plan.timeline()
@@ -534,15 +739,65 @@ def _cmd_timeline(args: argparse.Namespace) -> int:
     print(table(header, rows, right={1, 2}))
     if base.peak_bytes:
         print(f"{label} uses {chosen.peak_bytes / base.peak_bytes:.0%} of the peak of none")
+    _print_measured(measured, budget)
     if figure_class is not None:
         figure = plots.timeline_figure(
             figure_class,
             [("none", base), (label, chosen)],
             title=_title("Memory over one training step", args),
-            budget=_planned_budget("timeline", args),
+            budget=budget,
+            measured=measured,
         )
         _save(figure, args.plot)
         print(f"Wrote {args.plot}")
+    return 0
+
+
+def _budget_bar(probe: Any, total: int, *, width: int = 30) -> str:
+    """One line of the max-batch search, e.g. `batch 64 [######----] 52% of the budget, fits`."""
+    share = probe.peak_bytes / total if total else 0.0
+    filled = min(width, round(width * share))
+    bar = f"[{'#' * filled}{'-' * (width - filled)}]"
+    if not probe.fits and not probe.peak_bytes:
+        return f"batch {probe.batch_size:>6} {bar}  no plan is predicted to fit"
+    verdict = "fits" if probe.fits else "does not fit"
+    return f"batch {probe.batch_size:>6} {bar} {share:5.0%} of the budget, {verdict}"
+
+
+def _cmd_max_batch(args: argparse.Namespace) -> int:
+    _check_options("max-batch", args)
+    loaded = _load_model("max-batch", args)
+    model = loaded.model
+    _compile_saved("max-batch", args, model)
+    total = _budget("max-batch", args.budget) or 1
+    import tfrecompute
+
+    def report(probe: Any) -> None:
+        sys.stderr.write(_budget_bar(probe, total) + "\n")
+        sys.stderr.flush()
+
+    with _library_errors():
+        sample = _labelled_batch(model, args.multiple, args.dim)
+        try:
+            found = tfrecompute.max_batch_size(
+                model,
+                sample,
+                budget=args.budget,
+                strategy=args.strategy,
+                multiple=args.multiple,
+                limit=args.limit,
+                policy=getattr(args, "policy", None),
+                progress=report,
+            )
+        except RuntimeError as error:
+            raise CliError(str(error)) from None
+    fmt = strategies.format_bytes
+    print(
+        f"Largest batch size of {model.name!r} under {args.budget}: {found.batch_size} "
+        f"(measured {fmt(found.peak_bytes)}, {found.peak_bytes / total:.0%} of the budget; "
+        f"{len(found.probes)} batch sizes measured, each in a fresh process)"
+    )
+    print(found.plan.summary(all_names=args.all_names))
     return 0
 
 
@@ -581,6 +836,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "profile": _cmd_profile,
     "frontier": _cmd_frontier,
     "timeline": _cmd_timeline,
+    "max-batch": _cmd_max_batch,
 }
 
 

@@ -20,12 +20,13 @@ import keras
 import tensorflow as tf
 
 from tfrecompute import strategies
-from tfrecompute._messages import as_count, as_positive_int, fail
+from tfrecompute._messages import as_bool, as_count, as_positive_int, fail
 from tfrecompute.call_costs import CallMemory, call_memory
 from tfrecompute.expand import Selection, expand, selected, selection
 from tfrecompute.graph import Call, LayerGraph, tensor_bytes, trainable_variables
 from tfrecompute.layers import RecomputeBlock
 from tfrecompute.layers.policy import resolve_policy
+from tfrecompute.measured_costs import corrected, measure_call
 from tfrecompute.policy_costs import policy_link_costs
 from tfrecompute.trace import input_specs, trace_model
 
@@ -83,6 +84,8 @@ def profile(
     where: Any = None,
     progress: Progress | None = None,
     policy: Any = None,
+    measure: bool | None = None,
+    measure_time: bool = False,
 ) -> strategies.Chain:
     """The cost chain of any Keras model at a batch size.
 
@@ -126,6 +129,16 @@ def profile(
         policy: a recompute policy (see `RecomputeBlock`): the chain then
             has the third state, each link's `policy_kept_bytes` and
             `policy_forward_cost` under it (`tfrecompute.policy_costs`).
+        measure: whether to run calls and read the allocator
+            (`tfrecompute.measured_costs`): None (the default) measures only
+            the calls whose graph does not show what they allocate (XLA
+            functions such as Keras's grouped `Conv2D`, custom gradients,
+            shapes known only at run time); True every call; False none.
+            Each distinct call (layer and input specs) runs once, on the
+            GPU when there is one.
+        measure_time: replace the estimated FLOPs of each link's forward by
+            its measured time in seconds (each call's forward timed on
+            tensors of the real shapes, median of a few runs).
 
     Returns:
         A `tfrecompute.strategies.Chain` with the calls' names as `names`.
@@ -140,8 +153,20 @@ def profile(
     ```
     """
     resolve_policy("profile", policy)
+    as_bool("profile", "measure_time", measure_time)
+    if measure is not None:
+        as_bool("profile", "measure", measure, fix="Pass measure=None, True or False")
     graph = traced_graph("profile", model, sample, batch_size, depth=depth, where=where)
-    return profile_graph(graph, batch_of(graph), optimizer, progress, where=where, policy=policy)
+    return profile_graph(
+        graph,
+        batch_of(graph),
+        optimizer,
+        progress,
+        where=where,
+        policy=policy,
+        measure=measure,
+        measure_time=measure_time,
+    )
 
 
 def traced_graph(
@@ -216,9 +241,13 @@ def profile_graph(
     *,
     where: Any = None,
     policy: Any = None,
+    measure: bool | None = None,
+    measure_time: bool = False,
 ) -> strategies.Chain:
     """`profile` on a traced graph; the chain's `source` is its `ProfiledModel`."""
-    memories = _call_memories(graph, batch_size, progress)
+    memories, seconds = _call_memories(
+        graph, batch_size, progress, _Measuring(measure, measure_time)
+    )
     needed = _read_by_backward(graph, memories)
     links = _links(graph, needed)
     link_of = [0] * len(graph.calls)
@@ -230,13 +259,18 @@ def profile_graph(
     keep_all = _keeps_all_gradients(optimizer)
     weights = _weight_gradients(graph, link_of, len(links), keep_all=keep_all)
     skips = _carries(graph, link_of, len(links), sizes)
-    per_link = _link_costs(graph, links, _Reads(memories, needed), sizes, skips)
+    per_link = _link_costs(graph, links, _Reads(memories, needed, seconds), sizes, skips)
     function = resolve_policy("profile", policy)
     kept, cheaper = (
         (None, None)
         if function is None
         else policy_link_costs(
-            graph, links, batch_size, function, [c.forward_cost for c in per_link]
+            graph,
+            links,
+            batch_size,
+            function,
+            [c.forward_cost for c in per_link],
+            [sum(_estimated_flops(graph.calls[i], batch_size) for i in range(*k)) for k in links],
         )
     )
     return strategies.Chain(
@@ -263,21 +297,46 @@ def profile_graph(
 # ------------------------------------------------------------------ phases
 
 
+@dataclasses.dataclass(frozen=True)
+class _Measuring:
+    calls: bool | None  # `profile(measure=)`: None for the calls the graph does not show
+    time: bool  # `profile(measure_time=)`
+
+
 def _call_memories(
-    graph: LayerGraph, batch_size: int, progress: Progress | None
-) -> list[CallMemory]:
-    """What each call keeps for its backward, traced once per layer and input signature."""
-    cache: dict[tuple[Any, ...], CallMemory] = {}
-    memories = []
+    graph: LayerGraph, batch_size: int, progress: Progress | None, measuring: _Measuring
+) -> tuple[list[CallMemory], list[float] | None]:
+    """What each call keeps for its backward, traced (or measured) once per layer and input
+    signature; with `measuring.time`, each call's measured forward seconds too."""
+    cache: dict[tuple[Any, ...], tuple[CallMemory, float]] = {}
+    memories, seconds = [], []
     for done, call in enumerate(graph.calls, start=1):
         signature = tuple((tuple(t.shape), str(t.dtype)) for t in call.tensor_args)
         key = (id(call.layer), signature)
         if key not in cache:
-            cache[key] = _call_memory(call, batch_size)
-        memories.append(cache[key])
+            cache[key] = _measured(call, _call_memory(call, batch_size), batch_size, measuring)
+        memories.append(cache[key][0])
+        seconds.append(cache[key][1])
         if progress is not None:
             progress(done, len(graph.calls))
-    return memories
+    return memories, seconds if measuring.time else None
+
+
+def _measured(
+    call: Call, memory: CallMemory, batch_size: int, measuring: _Measuring
+) -> tuple[CallMemory, float]:
+    """The call's memory corrected by a measurement when one is wanted, and its forward time.
+
+    Glue and blocks already in the model are modelled, never measured; a
+    call of a layer without weights or differentiable inputs still runs.
+    """
+    wanted = memory.opaque if measuring.calls is None else measuring.calls
+    if call.glue or isinstance(call.layer, RecomputeBlock) or not (wanted or measuring.time):
+        return memory, 0.0
+    measured = measure_call(
+        call.layer, call.args, call.kwargs, batch_size, time_forward=measuring.time
+    )
+    return (corrected(memory, measured) if wanted else memory), measured.forward_seconds or 0.0
 
 
 def _call_memory(call: Call, batch_size: int) -> CallMemory:
@@ -475,6 +534,7 @@ def _carries(graph: LayerGraph, link_of: list[int], n: int, sizes: _Sizes) -> _S
 class _Reads:
     memories: list[CallMemory]  # per call, what its backward keeps and reads
     needed: set[int]  # ids of the tensors some backward reads
+    seconds: list[float] | None = None  # per call, its measured forward time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -522,7 +582,7 @@ def _link_costs(
                 workspace=_workspace(graph, link, calls, reads, sizes, skips, output + input_grad),
                 input_grad=input_grad,
                 input_copy=input_copy,
-                forward_cost=sum(_estimated_flops(graph.calls[i], sizes.batch_size) for i in calls),
+                forward_cost=_forward_cost(graph, calls, reads, sizes.batch_size),
             )
         )
     return costs
@@ -583,6 +643,13 @@ def _workspace(
         own = sizes.gradients(call.outputs) + sizes.gradients(inputs) - link_gradients
         workspace = max(workspace, reads.memories[i].workspace_bytes + max(own, 0))
     return workspace
+
+
+def _forward_cost(graph: LayerGraph, calls: range, reads: _Reads, batch_size: int) -> float:
+    """A link's forward cost: its calls' measured seconds, else their estimated FLOPs."""
+    if reads.seconds is not None:
+        return sum(reads.seconds[i] for i in calls)
+    return sum(_estimated_flops(graph.calls[i], batch_size) for i in calls)
 
 
 def _estimated_flops(call: Any, batch_size: int) -> float:

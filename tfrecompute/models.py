@@ -14,8 +14,8 @@ from typing import Any
 
 import keras
 
-from tfrecompute import strategies
-from tfrecompute._messages import fail
+from tfrecompute import fit, strategies
+from tfrecompute._messages import as_bool, fail
 from tfrecompute.costs import (
     COMPILED,
     ProfiledModel,
@@ -26,7 +26,7 @@ from tfrecompute.costs import (
     traced_graph,
 )
 from tfrecompute.layers.policy import resolve_policy
-from tfrecompute.rewrite import rewrite
+from tfrecompute.rewrite import block_policies, rewrite
 
 __all__ = ["plan", "recompute"]
 
@@ -66,6 +66,39 @@ def _resolve_plan(api: str, model: keras.Model, strategy: Any, options: dict[str
     profiled = profiled_model(made.chain, model)
     assert profiled is not None  # strategies plan the chain they are given
     return made, profiled
+
+
+def _verified(
+    api: str, model: keras.Model, strategy: Any, options: dict[str, Any]
+) -> fit.VerifiedPlan:
+    """`recompute(..., verify=True)`: a plan measured to fit the budget."""
+    if options["budget"] is None or isinstance(strategy, strategies.Plan):
+        fail(
+            api,
+            "verify=True measures a plan made for a budget, so it needs a budget and a "
+            "strategy, not a Plan",
+            "budget",
+            options["budget"],
+            'Pass budget= (e.g. budget="1GiB") and a strategy name, or verify=False',
+        )
+    if options["headroom"] is not None:
+        fail(
+            api,
+            "verify=True takes its headroom from the measured step",
+            "headroom",
+            options["headroom"],
+            "Leave headroom=None, or pass verify=False",
+        )
+    made = fit.planner(
+        api,
+        model,
+        options["sample"],
+        strategy or _default_strategy(options["where"]),
+        depth=options["depth"],
+        where=options["where"],
+        policy=options["policy"],
+    )
+    return fit.verify(made, options["budget"])
 
 
 def _default_strategy(where: Any) -> strategies.Strategy:
@@ -223,6 +256,7 @@ def recompute(
     depth: int | None = None,
     where: Any = None,
     policy: Any = None,
+    verify: bool = False,
 ) -> keras.Model:
     """A checkpointed model: the plan's calls recomputed in backprop, in `RecomputeBlock`s.
 
@@ -251,6 +285,13 @@ def recompute(
             `optimal` (the default) the planner weighs it per segment against
             recomputing whole (`Plan.selective`); with any other strategy
             every block gets it.
+        verify: measure the plan instead of trusting a fixed headroom: with a
+            `budget` and a labelled `sample=(x, y)`, run the compiled train
+            step of the rewritten model, read the allocator's peak and
+            re-plan until the measured step fits the budget and uses most of
+            it (`tfrecompute.verified_plan`, whose `.model` this returns,
+            compiled like `model`, which must be compiled), with the
+            policy if one is given.
     Returns:
         The checkpointed model.
 
@@ -273,30 +314,11 @@ def recompute(
         "policy": policy,
     }
     resolve_policy("recompute", policy)
+    if as_bool("recompute", "verify", verify):
+        return _verified("recompute", model, strategy, options).model
     chosen, profiled = _resolve_plan("recompute", model, strategy, options)
     segments = profiled.call_segments(chosen.segments)
-    return rewrite(profiled.graph, segments, policies=_block_policies(chosen, policy))
-
-
-def _block_policies(plan: strategies.Plan, policy: Any) -> list[Any]:
-    """Each segment's policy.
-
-    A plan that weighed the third state (`optimal` on a chain with policy
-    costs) says per segment (`Plan.selective`); any other plan's blocks all
-    get `policy`: the user chose the segments and asked for the policy.
-    """
-    weighed = bool(plan.selective) or (plan.chain.has_policy and plan.strategy == "optimal")
-    if not weighed:
-        return [policy] * len(plan.segments)
-    if policy is None:
-        fail(
-            "recompute",
-            "the plan recomputes segments under a recompute policy, but no policy is given",
-            "policy",
-            policy,
-            "Pass the policy the plan was made with, e.g. recompute(model, plan, policy='dots')",
-        )
-    return [policy if under else None for under in plan.selective]
+    return rewrite(profiled.graph, segments, policies=block_policies("recompute", chosen, policy))
 
 
 plan.__doc__ = (plan.__doc__ or "").replace("{shared}", _SHARED_ARGS.rstrip() + "\n")

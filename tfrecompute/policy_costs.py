@@ -109,8 +109,14 @@ def policy_link_costs(
     batch_size: int,
     policy: Policy,
     forward_costs: Sequence[float],
+    estimated_flops: Sequence[float],
 ) -> tuple[list[int], list[float]]:
     """Per link, the bytes the policy keeps and the cost of its recompute under the policy.
+
+    The recompute under the policy costs the link's forward cost less the
+    share of its estimated FLOPs that the kept products make up, so that it
+    is in the forward cost's units whether those are estimated FLOPs or
+    measured seconds (`profile(..., measure_time=True)`).
 
     Args:
         graph: the profiled layer graph.
@@ -118,10 +124,11 @@ def policy_link_costs(
         batch_size: the size of the leading `None` dimension.
         policy: the policy function (see `layers.policy.resolve_policy`).
         forward_costs: each link's forward cost, as profiled.
+        estimated_flops: each link's estimated forward FLOPs.
     """
     cache: dict[tuple[Any, ...], tuple[int, float]] = {}
     kept, costs = [], []
-    for (first, stop), forward in zip(links, forward_costs):
+    for (first, stop), forward, flops in zip(links, forward_costs, estimated_flops):
         link_bytes, link_flops = 0, 0.0
         for call in graph.calls[first:stop]:
             signature = tuple((tuple(t.shape), str(t.dtype)) for t in call.tensor_args)
@@ -131,5 +138,5 @@ def policy_link_costs(
             link_bytes += cache[key][0]
             link_flops += cache[key][1]
         kept.append(link_bytes)
-        costs.append(max(0.0, forward - link_flops))
+        costs.append(forward * max(0.0, 1.0 - link_flops / flops) if flops > 0 else forward)
     return kept, costs

@@ -28,12 +28,14 @@ from typing import Any
 
 import keras
 
+from tfrecompute import strategies
 from tfrecompute._keras_internals import functional_inputs
+from tfrecompute._messages import fail
 from tfrecompute.graph import Call, LayerGraph, Region, Unit
 from tfrecompute.layers import RecomputeBlock
 from tfrecompute.layers.in_place import checkpoint_in_place, route_call
 
-__all__ = ["rewrite"]
+__all__ = ["block_policies", "rewrite"]
 
 
 def rewrite(
@@ -88,6 +90,27 @@ def rewrite(
     )
     _warn_if_unloadable(rebuilt)
     return rebuilt
+
+
+def block_policies(api: str, plan: strategies.Plan, policy: Any) -> list[Any]:
+    """Each segment's policy, for `rewrite(..., policies=...)`.
+
+    A plan that weighed the third state (`optimal` on a chain with policy
+    costs) says per segment (`Plan.selective`); any other plan's blocks all
+    get `policy`: the user chose the segments and asked for the policy.
+    """
+    weighed = bool(plan.selective) or (plan.chain.has_policy and plan.strategy == "optimal")
+    if not weighed:
+        return [policy] * len(plan.segments)
+    if policy is None:
+        fail(
+            api,
+            "the plan recomputes segments under a recompute policy, but no policy is given",
+            "policy",
+            policy,
+            f"Pass the policy the plan was made with, e.g. {api}(model, plan, policy='dots')",
+        )
+    return [policy if plan.is_selective(i) else None for i in range(len(plan.segments))]
 
 
 def _warn_if_unloadable(model: keras.Model) -> None:

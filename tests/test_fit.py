@@ -1,0 +1,167 @@
+"""Verified plans and the largest batch: budgets checked by measured train steps."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+import tfrecompute
+from tfrecompute import strategies
+
+MiB = 2**20
+
+
+def _chain_model(depth: int = 16) -> keras.Model:
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((256,))
+    h = inputs
+    for _ in range(depth):
+        h = keras.layers.Dense(512, activation="tanh")(h)
+    model = keras.Model(inputs, keras.layers.Dense(8)(h))
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+def _batch(rows: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return rng.random((rows, 256), dtype="float32"), rng.random((rows, 8), dtype="float32")
+
+
+def test_a_verified_plan_measures_within_its_budget_and_uses_most_of_it():
+    model = _chain_model()
+    x, y = _batch(512)
+    stored = tfrecompute.measure_step(model, x, y).peak_bytes
+    budget = int(0.75 * stored)
+    weights = [v.numpy().copy() for v in model.weights]
+    verified = tfrecompute.verified_plan(model, (x, y), budget=budget)
+    assert verified.plan.segments  # storing everything does not fit
+    assert verified.peak_bytes <= budget
+    assert verified.share >= 0.6, verified.probes
+    assert all(p.measured_bytes > 0 for p in verified.probes)
+    weight_bytes = sum(w.nbytes for w in weights)
+    assert weight_bytes <= verified.state_bytes < 1.01 * weight_bytes  # SGD keeps no slots
+    for variable, value in zip(model.weights, weights):  # measuring trained nothing
+        np.testing.assert_array_equal(variable.numpy(), value)
+    history = verified.model.fit(x, y, batch_size=512, epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+
+
+def test_recompute_verify_returns_the_verified_model():
+    model = _chain_model(depth=4)
+    x, y = _batch(256)
+    rewritten = tfrecompute.recompute(model, budget="64MiB", sample=(x, y), verify=True)
+    assert rewritten.compiled
+    assert rewritten.predict(x, verbose=0).shape == (256, 8)
+
+
+def test_a_verified_plan_with_a_policy_measures_its_selective_blocks():
+    model = _chain_model()
+    x, y = _batch(512)
+    stored = tfrecompute.measure_step(model, x, y).peak_bytes
+    budget = int(0.75 * stored)
+    verified = tfrecompute.verified_plan(model, (x, y), budget=budget, policy="dots")
+    assert verified.plan.chain.has_policy
+    assert verified.peak_bytes <= budget
+    blocks = [b for b in verified.model.layers if isinstance(b, tfrecompute.RecomputeBlock)]
+    assert len(blocks) == len(verified.plan.segments) > 0
+    want = ["dots" if verified.plan.is_selective(i) else None for i in range(len(blocks))]
+    assert [b.get_config().get("policy") for b in blocks] == want
+    # A strategy that does not weigh the third state gives every block the policy.
+    fixed = tfrecompute.verified_plan(
+        model, (x, y), budget=2 * stored, strategy="sqrt", policy="dots"
+    )
+    blocks = [b for b in fixed.model.layers if isinstance(b, tfrecompute.RecomputeBlock)]
+    assert fixed.peak_bytes <= 2 * stored and len(blocks) >= 2
+    assert {b.get_config().get("policy") for b in blocks} == {"dots"}
+
+
+def test_max_batch_size_in_fresh_processes_takes_a_policy_by_name():
+    with pytest.raises(TypeError, match=r"max_batch_size: a recompute policy for probes in"):
+        tfrecompute.max_batch_size(
+            _chain_model(2), _batch(8), budget="1GiB", policy=lambda op: op.weight
+        )
+
+
+def test_a_verified_plan_needs_labels():
+    with pytest.raises(ValueError, match=r"verified_plan: measuring a train step needs a sample"):
+        tfrecompute.verified_plan(_chain_model(2), _batch(8)[0], budget="1GiB")
+
+
+def test_a_verified_plan_needs_a_compiled_model():
+    model = _chain_model(2)
+    uncompiled = keras.Model(model.inputs, model.outputs)
+    with pytest.raises(ValueError, match=r"verified_plan: the model is not compiled"):
+        tfrecompute.verified_plan(uncompiled, _batch(8), budget="1GiB")
+
+
+def test_a_verified_plan_under_an_infeasible_budget_names_the_least_one():
+    with pytest.raises(tfrecompute.InfeasibleBudgetError, match=r"at least [0-9.]+ MiB"):
+        tfrecompute.verified_plan(_chain_model(4), _batch(512), budget="1MiB")
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({}, r"recompute: verify=True measures a plan made for a budget"),
+        ({"budget": "1GiB", "headroom": 0.1}, r"takes its headroom from the measured step"),
+    ],
+)
+def test_recompute_verify_checks_its_options(options, match):
+    with pytest.raises(ValueError, match=match):
+        tfrecompute.recompute(_chain_model(2), sample=_batch(8), verify=True, **options)
+
+
+def _assert_largest(found, multiple: int, budget: int) -> None:
+    assert found.peak_bytes <= budget
+    tried = {p.batch_size: p for p in found.probes}
+    assert tried[found.batch_size].fits
+    assert not tried[found.batch_size + multiple].fits  # the next search step did not fit
+    assert all(p.fits for p in found.probes if p.batch_size < found.batch_size)
+
+
+def test_max_batch_size_finds_the_largest_measured_fit_in_fresh_processes():
+    model = _chain_model()
+    seen = []
+    # Storing everything measures about 11.3 MiB at batch 256; 512 is predicted at 22 MiB.
+    found = tfrecompute.max_batch_size(
+        model, _batch(8), budget=14 * MiB, strategy="none", multiple=256, progress=seen.append
+    )
+    assert found.batch_size == 256, found.probes
+    assert [p.batch_size for p in seen] == [256, 512]
+    _assert_largest(found, 256, 14 * MiB)
+    assert found.plan.segments == ()
+
+
+def test_max_batch_size_with_optimal_beats_storing_everything():
+    model = _chain_model()
+    found = tfrecompute.max_batch_size(
+        model, _batch(8), budget=12 * MiB, multiple=128, isolate=False
+    )
+    _assert_largest(found, 128, 12 * MiB)
+    assert found.batch_size > 256 and found.plan.segments
+    assert found.plan.chain.source.batch_size == found.batch_size
+
+
+def test_max_batch_size_fails_when_not_even_the_first_batch_fits():
+    with pytest.raises(tfrecompute.InfeasibleBudgetError, match=r"even batch size 64 does not"):
+        tfrecompute.max_batch_size(
+            _chain_model(4), _batch(8), budget="1MiB", multiple=64, isolate=False
+        )
+
+
+def test_max_batch_size_probes_in_fresh_processes_by_strategy_name():
+    with pytest.raises(TypeError, match=r"max_batch_size: a strategy for probes in fresh"):
+        tfrecompute.max_batch_size(
+            _chain_model(2), _batch(8), budget="1GiB", strategy=strategies.sqrt
+        )
+
+
+def test_a_verified_plan_refuses_in_place_checkpoints_it_could_not_undo():
+    from tests.any_models import loop_transformer
+
+    keras.utils.set_random_seed(0)
+    model, sample = loop_transformer(layers=2, hidden=32, sequence=8)
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match=r"verified_plan: a verified plan rewrites the model"):
+        tfrecompute.verified_plan(model, sample, budget="1GiB")
