@@ -323,8 +323,8 @@ def _interleaved_times(
         row["cpu_seconds"] = statistics.median(variant.cpu_per_round())
 
 
-def measure(name: str, config_name: str) -> dict[str, Any]:
-    """All variants of one model (run in a worker process)."""
+def _worker(name: str, config_name: str) -> tuple[dict[str, int], list[str], Any, Any]:
+    """A worker process's start: the model's config, its largest layers and a batch."""
     config = CONFIGS[config_name][name]
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     sys.path.insert(0, str(ROOT))  # this checkout's tfrecompute and tests, not an installed one
@@ -332,7 +332,6 @@ def measure(name: str, config_name: str) -> dict[str, Any]:
 
     import tensorflow as tf
 
-    import tfrecompute
     from tests.models_zoo import synthetic_batch
 
     tf.get_logger().setLevel("ERROR")  # retracing warnings: every variant is a new model
@@ -342,6 +341,13 @@ def measure(name: str, config_name: str) -> dict[str, Any]:
     layer_names = largest_layers(name, probe)
     x, y = synthetic_batch(probe, config["batch"], seed=SEED)
     del probe
+    return config, layer_names, x, y
+
+
+def measure(name: str, config_name: str) -> dict[str, Any]:
+    """All variants of one model (run in a worker process)."""
+    config, layer_names, x, y = _worker(name, config_name)
+    import tfrecompute
 
     references: dict[bool, dict[str, Any]] = {}
     rows = []
@@ -440,20 +446,9 @@ def measure(name: str, config_name: str) -> dict[str, Any]:
 
 def measure_alone(name: str, config_name: str, variant: str) -> dict[str, Any]:
     """One variant's step peak, measured in a process that built nothing else."""
-    config = CONFIGS[config_name][name]
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    sys.path.insert(0, str(ROOT))
-    import warnings
-
+    config, layer_names, x, y = _worker(name, config_name)
     import tfrecompute
-    from tests.models_zoo import synthetic_batch
 
-    warnings.filterwarnings("ignore", message=".*RematScope at call time.*")
-    _fresh()
-    probe = build(name, config)
-    layer_names = largest_layers(name, probe)
-    x, y = synthetic_batch(probe, config["batch"], seed=SEED)
-    del probe
     _fresh()
     model, _, scope = _make(variant, name, config, layer_names)
     with scope:

@@ -58,8 +58,8 @@ def mirrored_strategy(devices: list[str]) -> tf.distribute.MirroredStrategy:
     return strategy
 
 
-def build_model(blocked: bool) -> keras.Model:
-    """Dense + Dropout + BatchNorm, in two RecomputeBlocks or unwrapped."""
+def build_model(blocked: bool, policy: str | None = None) -> keras.Model:
+    """Dense + Dropout + BatchNorm, in two RecomputeBlocks (with `policy`) or unwrapped."""
     keras.utils.set_random_seed(0)
     layers = [
         keras.layers.Dense(16, activation="relu"),
@@ -67,7 +67,8 @@ def build_model(blocked: bool) -> keras.Model:
         keras.layers.BatchNormalization(momentum=0.5),
         keras.layers.Dense(16, activation="tanh"),
     ]
-    body = [RecomputeBlock(layers[:2]), RecomputeBlock(layers[2:])] if blocked else layers
+    halves = (layers[:2], layers[2:])
+    body = [RecomputeBlock(h, policy=policy) for h in halves] if blocked else layers
     return keras.Sequential([keras.Input((FEATURES,)), *body, keras.layers.Dense(3)])
 
 

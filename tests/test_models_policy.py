@@ -11,27 +11,13 @@ import tfrecompute
 from tests import any_models, models_zoo
 from tests.helpers import MODES, assert_same_training
 from tests.test_errors import CONVENTION, _own_message
+from tests.test_models import _same_training
 from tfrecompute import RecomputeBlock
 from tfrecompute.layers import in_place
 
 
 def _blocks(model):
     return [layer for layer in model._flatten_layers() if isinstance(layer, RecomputeBlock)]
-
-
-def _same_training(model, rewritten, inputs, mode):
-    def run(m):
-        return lambda x, training=None: m(x, training=training)
-
-    assert_same_training(
-        run(rewritten),
-        run(model),
-        inputs,
-        model.trainable_variables,
-        model.non_trainable_variables,
-        mode,
-        atol=1e-5,
-    )
 
 
 @pytest.mark.parametrize("mode", MODES)
