@@ -263,11 +263,14 @@ def _ordered(grads: list[Any], ordered: list[bool]) -> list[Any]:
     So do the inputs' gradients, for memory: the previous segment's recompute
     starts from them, and released early they let it run while this
     segment's weight gradients, and so the recomputed activations they
-    read, are still pending. On a loaded 2-core CPU a sqrt plan of 64 Dense
-    layers then peaked at up to 79 MiB in one step of 150 instead of 17; with
-    the wait, 350 steps stayed within 16.8-18.2 MiB, at 1.02x the CPU time
-    (test_block.py test_a_blocks_input_gradient_waits_for_its_weight_gradients).
-    Captured tensors' gradients do not wait.
+    read, are still pending; the memory model assumes one segment's
+    backward at a time. benchmarks/backward_order.py measures both rules:
+    waiting costs no measurable time (0.96x to 1.02x the CPU time); spikes
+    of the early rule (a sqrt plan of 64 Dense layers at 37.8 to 71.5 MiB
+    in 3 of 40 measurements instead of 17, once, on a 2-core CPU shared with
+    other training processes) did not recur in its runs, quiet or loaded.
+    test_block.py test_a_blocks_input_gradient_waits_for_its_weight_gradients
+    pins the order. Captured tensors' gradients do not wait.
     """
     if tf.executing_eagerly() or not any(ordered):
         return grads
