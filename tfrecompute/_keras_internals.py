@@ -28,6 +28,7 @@ from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
 __all__ = [
     "VariableWatcher",
+    "all_sublayers",
     "backing_variable",
     "call_context",
     "call_has_mask_arg",
@@ -59,6 +60,7 @@ __all__ = [
     "should_record_backprop",
     "stop_recording",
     "tape_is_recording",
+    "track_dependency",
     "xplane_pb2",
 ]
 
@@ -315,6 +317,11 @@ def inbound_nodes(layer: Any) -> list[Any]:
     return list(getattr(layer, "_inbound_nodes", []))
 
 
+def all_sublayers(layer: Any) -> list[Any]:
+    """`layer` and every layer it holds, at any depth (what `model.losses` walks)."""
+    return list(layer._flatten_layers(include_self=True, recursive=True))
+
+
 def direct_sublayers(layer: Any) -> list[Any]:
     """The layers `layer` holds as attributes, one level down, in creation order."""
     return list(layer._flatten_layers(include_self=False, recursive=False))
@@ -323,6 +330,15 @@ def direct_sublayers(layer: Any) -> list[Any]:
 def own_variables(layer: Any) -> list[Any]:
     """The variables `layer` created itself (not its sublayers')."""
     return list(layer._trainable_variables) + list(layer._non_trainable_variables)
+
+
+def track_dependency(parent: Any, child: Any, name: str) -> None:
+    """Makes `child` a named dependency of `parent` in TensorFlow's object graph.
+
+    Keras's `TrackedList` attributes are not followed by TensorFlow's object
+    graph (keras-team/keras#19425), and no public API adds a dependency.
+    """
+    parent._track_trackable(child, name=name, overwrite=True)
 
 
 # ------------------------------------------------------------- recording

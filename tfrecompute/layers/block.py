@@ -20,6 +20,7 @@ from tfrecompute._keras_internals import (
     set_mask_metadata,
     should_record_backprop,
     tape_is_recording,
+    track_dependency,
 )
 from tfrecompute._messages import as_bool, describe, fail, received
 from tfrecompute.errors import NonReplayableRandomnessError
@@ -170,6 +171,26 @@ def _check_layers(layers: Any) -> list[keras.layers.Layer]:
     return candidates
 
 
+def _track_for_tensorflow(block: keras.layers.Layer, inner: list[keras.layers.Layer]) -> None:
+    """NOTE [ A block in TensorFlow's object graph ]
+
+    Keras wraps a list attribute (`self.inner`) in a `TrackedList`, which
+    Keras's own saving (`.keras`, `.weights.h5`) walks but TensorFlow's
+    object graph does not follow (keras-team/keras#19425): without more, a
+    block has no checkpoint children, so `tf.train.Checkpoint(model=model)`
+    records none of its layers' variables, and a restore leaves them (and
+    BatchNormalization's moving statistics) as they were while
+    `assert_existing_objects_matched()` passes. Each wrapped layer is
+    therefore also a TensorFlow dependency of the block, named `inner_<i>`
+    (`model/.../inner_0/...` in a checkpoint), as a Keras wrapper's `layer`
+    attribute is. SavedModel export, which converts Keras lists itself,
+    sees the same layers once more under `inner`; `.keras` files are
+    unchanged.
+    """
+    for index, layer in enumerate(inner):
+        track_dependency(block, layer, f"inner_{index}")
+
+
 @keras.saving.register_keras_serializable(package="tfrecompute")
 class RecomputeBlock(keras.layers.Layer):
     """Wraps layers so that their activations are recomputed during backprop.
@@ -238,6 +259,11 @@ class RecomputeBlock(keras.layers.Layer):
     ```
     """
 
+    # The layer whose `add_loss` gets the losses made inside the recomputed
+    # forward (a weak reference; None: this block). A block no model tracks
+    # (NOTE [ In-place checkpoints ]) hands them to the layer a model does.
+    _loss_owner: Any = None
+
     def __init__(
         self,
         layers: keras.layers.Layer | Sequence[keras.layers.Layer],
@@ -260,6 +286,7 @@ class RecomputeBlock(keras.layers.Layer):
         super().__init__(**kwargs)
         self._single = isinstance(layers, keras.layers.Layer)
         self.inner = inner
+        _track_for_tensorflow(self, inner)
         self.debug = debug
         self.policy = policy
         self._recompute_policy = resolved
@@ -280,6 +307,19 @@ class RecomputeBlock(keras.layers.Layer):
     def unwrap(self) -> keras.layers.Layer | list[keras.layers.Layer]:
         """Returns what the block wraps: the single layer or model, or the list of layers."""
         return self.inner[0] if self._single else list(self.inner)
+
+    def unrouted(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Arguments Keras recorded for a call of the block, as its caller passed them.
+
+        NOTE [ Extra call arguments ]: a Functional model's node of a block
+        holds the routed arguments; this gives back those of the wrapped layer.
+        """
+        kwargs = dict(kwargs)
+        routed = [kwargs.pop(name, None) for name in _ROUTED]
+        extra, kwargs = _unroute(tuple(args[1:]), kwargs, *routed)
+        return (*args[:1], *extra), kwargs
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._single and args and (len(args) > 1 or kwargs):
@@ -489,8 +529,9 @@ class RecomputeBlock(keras.layers.Layer):
         assert forward.scope is not None
         self._commit_state(forward.scope, frame.state_variables)
         outputs, losses = frame.pack()
+        owner = self._loss_owner() if self._loss_owner is not None else self
         for loss in losses:
-            self.add_loss(loss)
+            owner.add_loss(loss)
         return outputs
 
     def _commit_state(self, scope: RecordingStatelessScope, state_variables: list[Any]) -> None:
