@@ -259,3 +259,54 @@ def median_requested_peak(model: Any, x: Any, y: Any, *, traces: int = 3) -> int
 
     steps = [tfrecompute.trace_step(model, x, y, warmup=1) for _ in range(traces)]
     return int(statistics.median(trace.requested_peak_bytes for trace in steps))
+
+
+def as_defined(model: Any) -> Callable[..., Any]:
+    """`model` as it was defined: what `tfrecompute.recompute` applied to it suspended.
+
+    The same layers and variables without checkpointing, the control a
+    checkpointed model is compared with (also under `tf.function`: the
+    suspension holds while the call is traced).
+    """
+    from tfrecompute.layers.in_place import suspended
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with suspended(model):
+            return model(*args, **kwargs)
+
+    return run
+
+
+def applied_blocks(model: Any) -> list[Any]:
+    """The blocks `tfrecompute.recompute` applied to `model` (none when nothing is)."""
+    import tfrecompute
+
+    applied = tfrecompute.checkpoints(model)
+    return [] if applied is None else list(applied.blocks)
+
+
+def recomputed_blocks(model: Any, run: Callable[[], Any]) -> int:
+    """How many of the blocks applied to `model` checkpoint a call while `run()` runs.
+
+    Makes sure a comparison with `as_defined(model)` compares something: the
+    checkpointed model's call goes through its blocks. The model's variables
+    (statistics, seed states) are as they were afterwards.
+    """
+    from tfrecompute import RecomputeBlock
+
+    blocks = applied_blocks(model)
+    seen: set[int] = set()
+    original = RecomputeBlock._recomputed_call
+
+    def counting(self: Any, frame: Any) -> Any:
+        seen.add(id(self))
+        return original(self, frame)
+
+    state = save_state(model.variables)
+    RecomputeBlock._recomputed_call = counting
+    try:
+        run()
+    finally:
+        RecomputeBlock._recomputed_call = original
+        load_state(model.variables, state)
+    return sum(id(block) in seen for block in blocks)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import tfrecompute
+from tests.helpers import applied_blocks
 from tfrecompute import strategies
 
 MiB = 2**20
@@ -43,6 +44,7 @@ def test_a_verified_plan_measures_within_its_budget_and_uses_most_of_it():
     assert weight_bytes <= verified.state_bytes < 1.01 * weight_bytes  # SGD keeps no slots
     for variable, value in zip(model.weights, weights):  # measuring trained nothing
         np.testing.assert_array_equal(variable.numpy(), value)
+    assert verified.model is model and tfrecompute.checkpoints(model).plan == verified.plan
     history = verified.model.fit(x, y, batch_size=512, epochs=1, verbose=0)
     assert np.isfinite(history.history["loss"][0])
 
@@ -50,9 +52,10 @@ def test_a_verified_plan_measures_within_its_budget_and_uses_most_of_it():
 def test_recompute_verify_returns_the_verified_model():
     model = _chain_model(depth=4)
     x, y = _batch(256)
-    rewritten = tfrecompute.recompute(model, budget="64MiB", sample=(x, y), verify=True)
-    assert rewritten.compiled
-    assert rewritten.predict(x, verbose=0).shape == (256, 8)
+    optimizer = model.optimizer
+    assert tfrecompute.recompute(model, budget="64MiB", sample=(x, y), verify=True) is model
+    assert model.optimizer is optimizer  # measured with a copy: the model's own is untouched
+    assert model.predict(x, verbose=0).shape == (256, 8)
 
 
 def test_a_verified_plan_with_a_policy_measures_its_selective_blocks():
@@ -63,7 +66,7 @@ def test_a_verified_plan_with_a_policy_measures_its_selective_blocks():
     verified = tfrecompute.verified_plan(model, (x, y), budget=budget, policy="dots")
     assert verified.plan.chain.has_policy
     assert verified.peak_bytes <= budget
-    blocks = [b for b in verified.model.layers if isinstance(b, tfrecompute.RecomputeBlock)]
+    blocks = applied_blocks(model)
     assert len(blocks) == len(verified.plan.segments) > 0
     want = ["dots" if verified.plan.is_selective(i) else None for i in range(len(blocks))]
     assert [b.get_config().get("policy") for b in blocks] == want
@@ -71,7 +74,7 @@ def test_a_verified_plan_with_a_policy_measures_its_selective_blocks():
     fixed = tfrecompute.verified_plan(
         model, (x, y), budget=2 * stored, strategy="sqrt", policy="dots"
     )
-    blocks = [b for b in fixed.model.layers if isinstance(b, tfrecompute.RecomputeBlock)]
+    blocks = applied_blocks(model)
     assert fixed.peak_bytes <= 2 * stored and len(blocks) >= 2
     assert {b.get_config().get("policy") for b in blocks} == {"dots"}
 
@@ -157,11 +160,46 @@ def test_max_batch_size_probes_in_fresh_processes_by_strategy_name():
         )
 
 
-def test_a_verified_plan_refuses_in_place_checkpoints_it_could_not_undo():
+def test_a_verified_plan_refuses_a_subclassed_model():
     from tests.any_models import loop_transformer
 
     keras.utils.set_random_seed(0)
     model, sample = loop_transformer(layers=2, hidden=32, sequence=8)
     model.compile(optimizer="sgd", loss="mse")
-    with pytest.raises(ValueError, match=r"verified_plan: a verified plan rewrites the model"):
+    with pytest.raises(ValueError, match=r"verified_plan: a verified plan measures the compiled"):
         tfrecompute.verified_plan(model, sample, budget="1GiB")
+    assert tfrecompute.checkpoints(model) is None
+
+
+def test_a_verified_plan_replaces_calls_checkpointed_in_place_as_it_re_plans():
+    """Subclassed layers holding Sequential models: their calls are routed in place,
+    and each measured plan replaces the previous one."""
+    from tests.any_models import tower_model
+
+    keras.utils.set_random_seed(0)
+    model, (x, y) = tower_model(width=1024, batch=256)
+    model.compile(optimizer="sgd", loss="mse")
+    stored = tfrecompute.measure_step(model, x, y).peak_bytes
+    seen = []
+    verified = tfrecompute.verified_plan(
+        model, (x, y), budget=int(0.8 * stored), progress=lambda probe: seen.append(probe)
+    )
+    assert verified.plan.segments and verified.peak_bytes <= 0.8 * stored
+    applied = tfrecompute.checkpoints(model)
+    assert applied.plan == verified.plan and applied.changed
+    routed = [m for m in applied.changed if m is not model]
+    assert routed and all("call" in vars(m) for m in routed)
+    assert tfrecompute.measure_step(model, x, y).peak_bytes < stored
+
+
+def test_a_failed_verified_plan_leaves_the_model_as_it_was():
+    model = _chain_model(depth=4)
+    x, y = _batch(256)
+    tfrecompute.recompute(model, "uniform:2")
+    before = tfrecompute.checkpoints(model)
+    # Predicted a little over the budget, the least plan is still measured (and applied).
+    least = strategies.min_peak(tfrecompute.profile(model, batch_size=256))
+    with pytest.raises(strategies.InfeasibleBudgetError, match="no measured train step fits"):
+        tfrecompute.verified_plan(model, (x, y), budget=int(least / 1.2))
+    assert tfrecompute.checkpoints(model) is before
+    assert all(vars(t).get("call") is not None for t in before.changed)

@@ -12,25 +12,48 @@ import tensorflow as tf
 
 import tfrecompute
 from tests import models_zoo
-from tests.helpers import MODES, assert_same_training
+from tests.helpers import (
+    MODES,
+    applied_blocks,
+    as_defined,
+    assert_same_training,
+    recomputed_blocks,
+)
 from tfrecompute import RecomputeBlock, strategies
 from tfrecompute.graph import LayerGraph
 
-
-def _blocks(model):
-    return [layer for layer in model.layers if isinstance(layer, RecomputeBlock)]
+_blocks = applied_blocks
 
 
-def _same_training(model, rewritten, inputs, mode, atol=1e-5):
+def _runtime(model):
+    """The rebuilt model with blocks that a checkpointed model's call runs."""
+    return tfrecompute.checkpoints(model).runtime
+
+
+def _runs_its_blocks(model, inputs):
+    """Whether a training call of the checkpointed model recomputes through its blocks."""
+    x = list(inputs) if len(inputs) > 1 else inputs[0]
+
+    def run():
+        with tf.GradientTape():
+            model(x, training=True)
+
+    return recomputed_blocks(model, run) > 0
+
+
+def _same_training(model, inputs, mode, atol=1e-5):
+    """The checkpointed model against itself as defined: the same layers, no checkpoints."""
+
     def run(m):
         def fn(*xs, training=None):
             return m(list(xs) if len(xs) > 1 else xs[0], training=training)
 
         return fn
 
+    assert _runs_its_blocks(model, inputs)
     assert_same_training(
-        run(rewritten),
         run(model),
+        run(as_defined(model)),
         inputs,
         model.trainable_variables,
         model.non_trainable_variables,
@@ -53,27 +76,30 @@ def _x(shape, seed=0):
 @pytest.mark.parametrize("mode", MODES)
 def test_sequential_sqrt_rewrite_matches_original(mode):
     model = _mlp()
-    rewritten = tfrecompute.recompute(model, "sqrt")
-    assert isinstance(rewritten, keras.Sequential)
-    blocks = _blocks(rewritten)
+    variables = [id(v) for v in model.variables]
+    assert tfrecompute.recompute(model, "sqrt") is model
+    assert isinstance(_runtime(model), keras.Sequential)  # a Sequential runs a Sequential
+    blocks = _blocks(model)
     assert 2 <= len(blocks) <= len(model.layers)
-    # The rewrite shares the original's variables: no copies.
-    ids = {id(v) for v in model.trainable_variables}
-    assert {id(v) for v in rewritten.trainable_variables} == ids
-    _same_training(model, rewritten, [_x((4, 32))], mode)
+    # The model is what it was: its layers, no blocks, the same variables.
+    assert not any(isinstance(layer, RecomputeBlock) for layer in model.layers)
+    assert [id(v) for v in model.variables] == variables
+    assert {id(v) for v in _runtime(model).variables} == set(variables)
+    _same_training(model, [_x((4, 32))], mode)
 
 
 def test_rewrite_with_an_explicit_plan():
     model = _mlp(depth=3, dropout=False)
     chain = tfrecompute.profile(model, batch_size=8)
     plan = tfrecompute.strategies.Plan.from_segments(chain, [(0, 2)])
-    rewritten = tfrecompute.recompute(model, plan)
-    assert [type(layer).__name__ for layer in rewritten.layers] == [
+    tfrecompute.recompute(model, plan)
+    assert tfrecompute.checkpoints(model).plan is plan
+    assert [type(layer).__name__ for layer in _runtime(model).layers] == [
         "RecomputeBlock",
         "Dense",
         "Dense",
     ]
-    assert [layer.name for layer in _blocks(rewritten)[0].layers] == [
+    assert [layer.name for layer in _blocks(model)[0].layers] == [
         model.layers[0].name,
         model.layers[1].name,
     ]
@@ -90,8 +116,8 @@ def test_a_strategy_callable_plans_the_rewrite():
     plan = tfrecompute.plan(model, first_two, budget="1MiB", batch_size=8, headroom=0)
     assert plan.strategy == "first_two" and plan.segments == ((0, 2),)
     assert seen == [(4, 2**20)]
-    rewritten = tfrecompute.recompute(model, first_two)
-    assert [type(layer).__name__ for layer in rewritten.layers] == [
+    tfrecompute.recompute(model, first_two)
+    assert [type(layer).__name__ for layer in _runtime(model).layers] == [
         "RecomputeBlock",
         "Dense",
         "Dense",
@@ -100,7 +126,27 @@ def test_a_strategy_callable_plans_the_rewrite():
 
 def test_none_strategy_recomputes_nothing():
     model = _mlp(depth=3)
-    assert _blocks(tfrecompute.recompute(model, "none")) == []
+    assert tfrecompute.recompute(model, "none") is model
+    assert _blocks(model) == [] and tfrecompute.checkpoints(model) is None
+
+
+def test_recompute_again_replaces_and_none_turns_it_off():
+    model = _mlp(depth=6, dropout=False)
+    x = _x((4, 32))
+    want = model(x)
+    before = tfrecompute.plan(model, "sqrt", batch_size=4)
+    tfrecompute.recompute(model, "uniform:1")
+    assert len(_blocks(model)) == 7 and "call" in vars(model)
+    # A checkpointed model is planned as defined, not through its blocks.
+    again = tfrecompute.plan(model, "sqrt", batch_size=4)
+    assert again.chain.names == before.chain.names and again.segments == before.segments
+    assert again.peak_bytes == before.peak_bytes
+    tfrecompute.recompute(model, "uniform:3")
+    assert len(_blocks(model)) == 3
+    np.testing.assert_allclose(model(x), want, atol=1e-6)
+    tfrecompute.recompute(model, "none")
+    assert tfrecompute.checkpoints(model) is None and "call" not in vars(model)
+    np.testing.assert_allclose(model(x), want, atol=1e-6)
 
 
 # ---------------------------------------------------------------- Functional
@@ -124,24 +170,27 @@ def test_functional_multi_io_and_shared_layer():
     graph = LayerGraph.of(model)
     assert "dense_shared" not in graph.names  # names are unique per call
     assert len(graph.names) == len(set(graph.names))
-    rewritten = tfrecompute.recompute(model, "sqrt")
-    assert _blocks(rewritten)
     x = {"a": _x((3, 8)), "b": _x((3, 4), seed=1)}
+    want = model(x)
+    tfrecompute.recompute(model, "sqrt")
+    assert _blocks(model)
     for key in ("main", "aux"):
-        np.testing.assert_allclose(rewritten(x)[key], model(x)[key], atol=1e-6)
+        np.testing.assert_allclose(model(x)[key], want[key], atol=1e-6)
 
 
-def _train_two_in_two_out(model, rewritten, mode):
+def _train_two_in_two_out(model, mode):
     def run(m):
         def fn(a, b, training=None):
             return m({"a": a, "b": b}, training=training)
 
         return fn
 
+    inputs = [_x((3, 8)), _x((3, 4), seed=1)]
+    assert _runs_its_blocks(model, [{"a": inputs[0], "b": inputs[1]}])
     assert_same_training(
-        run(rewritten),
         run(model),
-        [_x((3, 8)), _x((3, 4), seed=1)],
+        run(as_defined(model)),
+        inputs,
         model.trainable_variables,
         [],
         mode,
@@ -169,9 +218,8 @@ def test_shared_layer_trains_like_the_original(mode, where):
         "one in each block": [(first, first + 1), (second, second + 1)],
     }[where]
     plan = "sqrt" if segments is None else strategies.Plan.from_segments(chain, segments)
-    rewritten = tfrecompute.recompute(model, plan)
-    assert _blocks(rewritten)
-    _train_two_in_two_out(model, rewritten, mode)
+    tfrecompute.recompute(model, plan)
+    _train_two_in_two_out(model, mode)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -180,7 +228,8 @@ def test_functional_gradients_with_every_segment(mode):
     graph = LayerGraph.of(model)
     chain = tfrecompute.profile(model, batch_size=3)
     plan = tfrecompute.strategies.Plan.from_segments(chain, [(0, len(graph))])
-    _train_two_in_two_out(model, tfrecompute.recompute(model, plan), mode)
+    tfrecompute.recompute(model, plan)
+    _train_two_in_two_out(model, mode)
 
 
 def _nested():
@@ -196,10 +245,11 @@ def _nested():
 
 def test_nested_functional_model_as_a_layer():
     model = _nested()
-    rewritten = tfrecompute.recompute(model, "sqrt")
-    assert _blocks(rewritten)
     x = _x((2, 8))
-    np.testing.assert_allclose(rewritten(x), model(x), atol=1e-6)
+    want = model(x)
+    tfrecompute.recompute(model, "sqrt")
+    assert _blocks(model)
+    np.testing.assert_allclose(model(x), want, atol=1e-6)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -210,9 +260,8 @@ def test_nested_functional_model_trains_like_the_original(mode, segments):
     chain = tfrecompute.profile(model, batch_size=4, depth=0)
     assert [name.split("#")[0] for name in chain.names[1::2]] == ["inner"] * 4
     plan = "sqrt" if segments is None else strategies.Plan.from_segments(chain, segments)
-    rewritten = tfrecompute.recompute(model, plan)
-    assert _blocks(rewritten)
-    _same_training(model, rewritten, [_x((4, 8))], mode)
+    tfrecompute.recompute(model, plan)
+    _same_training(model, [_x((4, 8))], mode)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -225,10 +274,9 @@ def test_a_nested_functional_model_is_inlined(mode, segments):
     assert chain.names[1].startswith("inner/dense") and chain.names[2].startswith("inner/dropout")
     assert sum(name.startswith("inner/") for name in chain.names) == 8
     plan = "sqrt" if segments is None else strategies.Plan.from_segments(chain, segments)
-    rewritten = tfrecompute.recompute(model, plan)
-    blocks = _blocks(rewritten)
-    assert blocks and not any(layer.name == "inner" for layer in rewritten.layers)
-    _same_training(model, rewritten, [_x((4, 8))], mode)
+    tfrecompute.recompute(model, plan)
+    assert not any(layer.name == "inner" for layer in _runtime(model).layers)
+    _same_training(model, [_x((4, 8))], mode)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -246,9 +294,8 @@ def test_keras_ops_in_a_functional_model(mode):
     assert sum(chain.applied_grad_bytes) == sum(
         math.prod(v.shape) * 4 for v in model.trainable_variables
     )
-    rewritten = tfrecompute.recompute(model, "sqrt")
-    assert _blocks(rewritten)
-    _same_training(model, rewritten, [_x((4, 8))], mode)
+    tfrecompute.recompute(model, "sqrt")
+    _same_training(model, [_x((4, 8))], mode)
 
 
 def _masked_sequence_model():
@@ -288,15 +335,14 @@ def test_keras_masks_cross_the_rewrite(mode, segments, build):
     model = build()
     chain = tfrecompute.profile(model, batch_size=3)
     plan = "sqrt" if segments is None else strategies.Plan.from_segments(chain, segments)
-    rewritten = tfrecompute.recompute(model, plan)
-    assert _blocks(rewritten)
+    tfrecompute.recompute(model, plan)
     tokens = tf.constant([[3, 5, 7, 0, 0, 0], [1, 2, 3, 4, 5, 6], [9, 0, 0, 0, 0, 0]])
     # The mask matters: the same tokens with other padding ids give other outputs.
     unmasked = model(tf.where(tokens == 0, 11, tokens))
     assert not np.allclose(model(tokens), unmasked, atol=1e-4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _same_training(model, rewritten, [tokens], mode)
+        _same_training(model, [tokens], mode)
     # Keras's "will destroy the mask" warning is wrong for the blocks' sub-models.
     assert not [w for w in caught if "mask attached" in str(w.message)]
 
@@ -434,9 +480,9 @@ def profiles(monkeypatch):
 def test_plan_then_recompute_profiles_once(profiles):
     model = _mlp(depth=4)
     plan = tfrecompute.plan(model, "optimal", budget="1GiB", batch_size=32)
-    rewritten = tfrecompute.recompute(model, plan)
+    tfrecompute.recompute(model, plan)
     assert profiles["profiles"] == 1
-    assert _blocks(rewritten) or not plan.segments
+    assert _blocks(model) or not plan.segments
 
 
 def test_a_plan_on_a_profiled_chain_is_applied_without_profiling_again(profiles):
@@ -444,17 +490,82 @@ def test_a_plan_on_a_profiled_chain_is_applied_without_profiling_again(profiles)
     chain = tfrecompute.profile(model, batch_size=32)
     plan = strategies.optimal(chain)
     assert plan.segments
-    rewritten = tfrecompute.recompute(model, plan)
+    tfrecompute.recompute(model, plan)
     assert profiles["profiles"] == 1
-    assert len(_blocks(rewritten)) == len(plan.segments)
+    assert len(_blocks(model)) == len(plan.segments)
 
 
 def test_a_plan_for_another_model_object_is_matched_by_profiling_it(profiles):
     model = _mlp(depth=4)
     twin = keras.models.clone_model(model)  # same layer names, other objects
     plan = tfrecompute.plan(model, "sqrt")
-    rewritten = tfrecompute.recompute(twin, plan)
+    assert tfrecompute.recompute(twin, plan) is twin
     assert profiles["profiles"] == 2
-    assert {id(v) for v in rewritten.trainable_variables} == {
+    assert tfrecompute.checkpoints(model) is None  # only the twin is checkpointed
+    assert {id(v) for v in _runtime(twin).trainable_variables} == {
         id(v) for v in twin.trainable_variables
     }
+
+
+# ------------------------------------------------------------------ losses
+
+
+class LossInCall(keras.layers.Layer):
+    """Adds a loss in its own `call`, as research code does."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(8, activation="tanh")
+
+    def call(self, x):
+        y = self.dense(x)
+        self.add_loss(0.1 * tf.reduce_sum(y * y))
+        return y
+
+
+class LossyNet(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.first = keras.layers.Dense(8, activity_regularizer=keras.regularizers.L2(0.1))
+        self.second = LossInCall()
+        self.head = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.head(self.second(self.first(x)))
+
+
+def _lossy_functional():
+    inputs = keras.Input((4,))
+    h = keras.layers.Dense(8, activity_regularizer=keras.regularizers.L2(0.1))(inputs)
+    h = LossInCall()(h)
+    h = keras.layers.Dense(8, activation="tanh")(h)
+    return keras.Model(inputs, keras.layers.Dense(1)(h))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kind", ["subclassed", "functional"])
+def test_losses_made_inside_checkpointed_calls_count_once(kind, mode):
+    """`add_loss` in a layer's call and activity regularizers reach `model.losses`
+    once per call, with their gradients, whether the call is checkpointed where its
+    code makes it (subclassed) or inside a rebuilt model's block (functional)."""
+    model = LossyNet() if kind == "subclassed" else _lossy_functional()
+    x = _x((4, 4))
+    model(x)
+    strategy = "uniform:1" if kind == "subclassed" else "uniform:2"
+    tfrecompute.recompute(model, strategy, sample=np.asarray(x))
+    assert _runs_its_blocks(model, [x])
+
+    def step(run):
+        def fn():
+            with tf.GradientTape() as tape:
+                y = run(x, training=True)
+                losses = list(model.losses)
+                total = tf.add_n(losses) + tf.reduce_sum(y)
+            return [len(losses), total, *tape.gradient(total, model.trainable_variables)]
+
+        return tf.function(fn) if mode == "function" else fn
+
+    got, want = step(model)(), step(as_defined(model))()
+    assert int(got[0]) == int(want[0]) == 2
+    for a, b in zip(got[1:], want[1:]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -9,43 +9,41 @@ import tensorflow as tf
 
 import tfrecompute
 from tests import any_models, models_zoo
-from tests.helpers import MODES, assert_same_training
+from tests.helpers import MODES, applied_blocks, as_defined, assert_same_training
 from tests.test_errors import CONVENTION, _own_message
 from tests.test_models import _same_training
-from tfrecompute import RecomputeBlock
-from tfrecompute.layers import in_place
+from tfrecompute.layers.in_place import checkpointed_in_place
 
-
-def _blocks(model):
-    return [layer for layer in model._flatten_layers() if isinstance(layer, RecomputeBlock)]
+_blocks = applied_blocks
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_sequential_rewrite_gives_every_block_the_policy(mode):
     model = models_zoo.tanh_mlp(depth=6, width=16)
-    rewritten = tfrecompute.recompute(model, "sqrt", policy="dots")
-    blocks = _blocks(rewritten)
+    tfrecompute.recompute(model, "sqrt", policy="dots")
+    blocks = _blocks(model)
     assert len(blocks) >= 2 and all(b.policy == "dots" for b in blocks)
     x = tf.constant(np.random.default_rng(0).normal(size=(4, 16)).astype("float32"))
-    _same_training(model, rewritten, [x], mode)
+    _same_training(model, [x], mode)
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_functional_encoder_rewrite_under_dots_trains_as_the_original(mode):
     keras.utils.set_random_seed(0)
     model = models_zoo.transformer_encoder(layers=2, sequence=8, hidden=16, heads=2)
-    rewritten = tfrecompute.recompute(model, "uniform:4", policy="dots")
-    blocks = _blocks(rewritten)
+    tfrecompute.recompute(model, "uniform:4", policy="dots")
+    blocks = _blocks(model)
     assert blocks and all(b.policy == "dots" for b in blocks)
     ids = tf.constant(np.random.default_rng(0).integers(0, 100, (2, 8)).astype("int32"))
-    _same_training(model, rewritten, [ids], mode)
+    _same_training(model, [ids], mode)
 
 
 def test_in_place_checkpoints_get_the_policy():
     model, (ids, _) = any_models.loop_transformer(layers=2, hidden=16, sequence=8, batch=2)
     tfrecompute.recompute(model, "uniform:1", sample=ids, policy="dots")
-    placed = [b for b in in_place._blocks.values() if b.inner[0] in model._flatten_layers()]
+    placed = _blocks(model)
     assert placed and all(b.policy == "dots" for b in placed)
+    assert all(checkpointed_in_place(b.inner[0]) for b in placed)
 
 
 def test_a_malformed_policy_is_rejected_before_planning():
@@ -80,15 +78,15 @@ def test_recompute_applies_the_plans_selective_segments():
     model = models_zoo.transformer_encoder(layers=2, sequence=32, hidden=16, heads=2)
     chain = tfrecompute.profile(model, batch_size=8, policy="dots")
     chosen = next(p for p in tfrecompute.strategies.frontier(chain) if any(p.selective))
-    rewritten = tfrecompute.recompute(model, chosen, policy="dots")
-    policies = [b.policy for b in _blocks(rewritten)]
+    tfrecompute.recompute(model, chosen, policy="dots")
+    policies = [b.policy for b in _blocks(model)]
     assert policies == ["dots" if s else None for s in chosen.selective]
     assert "selective" in chosen.summary()
     with pytest.raises(ValueError, match="no policy is given") as info:
         tfrecompute.recompute(model, chosen)
     assert CONVENTION.match(_own_message(info.value))
     ids = tf.constant(np.random.default_rng(0).integers(0, 100, (2, 32)).astype("int32"))
-    _same_training(model, rewritten, [ids], "function")
+    _same_training(model, [ids], "function")
 
 
 def test_the_command_line_plans_with_a_policy(tmp_path, capsys):
@@ -116,8 +114,8 @@ def test_the_command_line_plans_with_a_policy(tmp_path, capsys):
 def test_a_keras_hub_bert_under_dots_trains_as_the_original():
     keras.utils.set_random_seed(0)
     model, (x, _) = any_models.bert(layers=2, hidden=32, sequence=16, batch=2)
-    rewritten = tfrecompute.recompute(model, "uniform:3", sample=x, policy="dots")
-    assert {b.policy for b in _blocks(rewritten)} == {"dots"}
+    tfrecompute.recompute(model, "uniform:3", sample=x, policy="dots")
+    assert {b.policy for b in _blocks(model)} == {"dots"}
     names = sorted(x)
     inputs = [tf.constant(x[k]) for k in names]
 
@@ -126,8 +124,8 @@ def test_a_keras_hub_bert_under_dots_trains_as_the_original():
 
     for mode in MODES:
         assert_same_training(
-            run(rewritten),
             run(model),
+            run(as_defined(model)),
             inputs,
             model.trainable_variables,
             model.non_trainable_variables,

@@ -15,8 +15,13 @@ import pytest
 
 import tfrecompute
 from tests import models_zoo
-from tests.helpers import assert_same_training, median_requested_peak
-from tfrecompute import RecomputeBlock, strategies
+from tests.helpers import (
+    applied_blocks,
+    as_defined,
+    assert_same_training,
+    median_requested_peak,
+)
+from tfrecompute import strategies
 
 pytestmark = pytest.mark.slow
 
@@ -54,16 +59,16 @@ def real(request):
 
 def test_gradients_match_the_original(real):
     name, model = real
-    rewritten = tfrecompute.recompute(model, "sqrt", batch_size=BATCH)
-    assert len([layer for layer in rewritten.layers if isinstance(layer, RecomputeBlock)]) >= 3
+    tfrecompute.recompute(model, "sqrt", batch_size=BATCH)
+    assert len(applied_blocks(model)) >= 3
     x, _ = _batch(model, batch=4)
 
     def run(m):
         return lambda x, training=None: m(x, training=training)
 
     assert_same_training(
-        run(rewritten),
         run(model),
+        run(as_defined(model)),
         [x],
         model.trainable_variables,
         model.non_trainable_variables,
@@ -75,20 +80,29 @@ def test_gradients_match_the_original(real):
 def test_sqrt_rewrite_fits_in_less_memory(real):
     name, model = real
     x, y = _batch(model)
-    rewritten = tfrecompute.recompute(model, "sqrt", batch_size=BATCH)
+    sqrt = tfrecompute.plan(model, "sqrt", batch_size=BATCH)
     model.compile(optimizer="sgd", loss="mse")
-    rewritten.compile(optimizer="sgd", loss="mse")
-    rewritten.fit(x, y, batch_size=BATCH // 2, epochs=1, verbose=0)
+    tfrecompute.recompute(model, sqrt)
+    model.fit(x, y, batch_size=BATCH // 2, epochs=1, verbose=0)
+
+    def measured(plan, measure):
+        tfrecompute.recompute(model, plan)  # the model itself, with and without checkpoints
+        return measure(model, x, y)
+
     # Requested peaks, since the allocator's rounding moves a CNN's measured
     # peak by up to about a third from step to step (U-Net: sqrt at 0.64x to
     # 0.92x of storing everything over three runs), and medians of three
     # traces, since the order ops run in moves even those (U-Net, with other
     # jobs on the machine: 0.58x to 0.80x single traces, 0.67x the medians).
-    plain = median_requested_peak(model, x, y)
-    blocked = median_requested_peak(rewritten, x, y)
+    plain = measured("none", median_requested_peak)
+    blocked = measured(sqrt, median_requested_peak)
     assert blocked <= 0.75 * plain, (name, blocked, plain)
-    plain_step = tfrecompute.measure_step(model, x, y, steps=3)
-    blocked_step = tfrecompute.measure_step(rewritten, x, y, steps=3)
+
+    def step(model, x, y):
+        return tfrecompute.measure_step(model, x, y, steps=3)
+
+    plain_step = measured("none", step)
+    blocked_step = measured(sqrt, step)
     assert blocked_step.peak_bytes < plain_step.peak_bytes, (name, blocked_step, plain_step)
 
 
@@ -99,8 +113,8 @@ def test_generous_budget_recomputes_nothing(real):
     plan = tfrecompute.plan(model, "optimal", budget=none_peak, batch_size=BATCH, headroom=0)
     assert plan.segments == ()
     # With the default headroom of 0.3, a budget of twice that plans in 1.4x of it.
-    rewritten = tfrecompute.recompute(model, "optimal", budget=2 * none_peak, batch_size=BATCH)
-    assert not [layer for layer in rewritten.layers if isinstance(layer, RecomputeBlock)]
+    tfrecompute.recompute(model, "optimal", budget=2 * none_peak, batch_size=BATCH)
+    assert tfrecompute.checkpoints(model) is None
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

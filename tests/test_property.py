@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tfrecompute
-from tests.helpers import assert_same_training, normal
+from tests.helpers import applied_blocks, as_defined, assert_same_training, normal
 from tfrecompute import RecomputeBlock, strategies
 from tfrecompute.strategies.simulate import within_limits
 
@@ -136,13 +136,14 @@ _SETTINGS = {
 }
 
 
-def _assert_trains_like(model, plain, width, seed, mode):
+def _assert_trains_like(model, plain, width, seed, mode, *, variables=None):
+    variables = variables or plain
     assert_same_training(
         model,
         plain,
         [normal((6, width), seed=seed)],
-        plain.trainable_variables,
-        plain.non_trainable_variables,
+        variables.trainable_variables,
+        variables.non_trainable_variables,
         mode,
         atol=1e-5,
     )
@@ -169,7 +170,30 @@ def test_random_models_rewritten_by_recompute_match_the_original(spec, mode, see
     pieces = list(zip(cuts, cuts[1:]))
     segments = [p for p in pieces if data.draw(st.booleans(), label=f"recompute {p}")]
     segments = list(within_limits(chain, segments))  # blocks the model allows (Chain.max_stop)
-    rewritten = tfrecompute.recompute(plain, strategies.Plan.from_segments(chain, segments))
-    blocks = [layer for layer in rewritten.layers if isinstance(layer, RecomputeBlock)]
-    assert len(blocks) == len(segments)
-    _assert_trains_like(rewritten, plain, width, seed, mode)
+    model = tfrecompute.recompute(plain, strategies.Plan.from_segments(chain, segments))
+    assert model is plain and len(applied_blocks(plain)) == len(segments)
+    _assert_trains_like(plain, as_defined(plain), width, seed, mode, variables=plain)
+
+
+@settings(max_examples=15, **_SETTINGS)
+@given(model_specs())
+def test_unwrap_gives_the_model_without_blocks(spec):
+    """`unwrap` of a model with hand-placed blocks is the plain model: the same layers,
+    in the same order, the same weights in the same order, under the same paths."""
+    functional, width, unit_list, grouping = spec
+    build = _functional if functional else _sequential
+    plain, blocked = build(_make_units(unit_list, width), grouping, width)
+    unwrapped = tfrecompute.unwrap(blocked)
+    assert not any(isinstance(layer, RecomputeBlock) for layer in unwrapped._flatten_layers())
+    assert [id(v) for v in unwrapped.weights] == [id(v) for v in plain.weights]
+    assert [v.path for v in unwrapped.weights] == [v.path for v in plain.weights]
+    if not any(nesting for _, _, nesting in grouping) or not functional:
+
+        def names(model):  # a residual unit makes an Add layer per model: compare its kind
+            return [
+                la.name if la.weights else type(la).__name__
+                for la in model.layers
+                if not isinstance(la, keras.layers.InputLayer)
+            ]
+
+        assert names(unwrapped) == names(plain)

@@ -17,9 +17,9 @@ The modules follow the data path, each importing only those before it:
 `startup` (`quiet_tensorflow`), `_keras_internals` (every private
 Keras/TensorFlow symbol), `layers/` (`RecomputeBlock`), `graph` (a model's
 layer graph), `call_costs` and `costs` (`profile`: the graph's `Chain`),
-`rewrite` (a plan applied to a model), `models` (`plan`, `recompute`),
-`measure` (`measure_step`, `trace_step`), `precision` (`check_precision`),
-and `cli` on top.
+`rewrite` (a plan applied to a model, in the model itself; `unwrap`),
+`models` (`plan`, `recompute`), `measure` (`measure_step`, `trace_step`),
+`precision` (`check_precision`), and `cli` on top.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ __version__ = "0.1.0"
 _TENSORFLOW_PARTS = (
     "Allocation",
     "BatchProbe",
+    "Checkpoints",
     "MaxBatch",
     "PrecisionFinding",
     "RecomputeBlock",
@@ -49,12 +50,14 @@ _TENSORFLOW_PARTS = (
     "StepTrace",
     "VerifiedPlan",
     "check_precision",
+    "checkpoints",
     "max_batch_size",
     "measure_step",
     "plan",
     "profile",
     "recompute",
     "trace_step",
+    "unwrap",
     "verified_plan",
 )
 
@@ -76,13 +79,18 @@ def _import_tensorflow_parts() -> dict[str, Any]:
     from tfrecompute.costs import profile
     from tfrecompute.fit import VerifiedPlan, verified_plan
     from tfrecompute.layers import RecomputeBlock
+    from tfrecompute.layers.in_place import Checkpoints, checkpoints
     from tfrecompute.max_batch import BatchProbe, MaxBatch, max_batch_size
     from tfrecompute.measure import Allocation, StepMeasurement, StepTrace, measure_step, trace_step
     from tfrecompute.models import plan, recompute
     from tfrecompute.precision import PrecisionFinding, check_precision
+    from tfrecompute.rewrite import unwrap
 
     return {
         "Allocation": Allocation,
+        "Checkpoints": Checkpoints,
+        "checkpoints": checkpoints,
+        "unwrap": unwrap,
         "PrecisionFinding": PrecisionFinding,
         "RecomputeBlock": RecomputeBlock,
         "StepMeasurement": StepMeasurement,

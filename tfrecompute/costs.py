@@ -25,6 +25,7 @@ from tfrecompute.call_costs import CallMemory, call_memory
 from tfrecompute.expand import Selection, expand, selected, selection
 from tfrecompute.graph import Call, LayerGraph, tensor_bytes, trainable_variables
 from tfrecompute.layers import RecomputeBlock
+from tfrecompute.layers.in_place import suspended
 from tfrecompute.layers.policy import resolve_policy
 from tfrecompute.measured_costs import corrected, measure_call
 from tfrecompute.policy_costs import policy_link_costs
@@ -169,6 +170,13 @@ def profile(
     )
 
 
+def check_model(api: str, model: Any) -> None:
+    """Raises unless `model` is a Keras model."""
+    if not isinstance(model, keras.Model):
+        fail(api, "`model` must be a Keras model", "model", model, "Pass a keras.Model",
+             error=TypeError)  # fmt: skip
+
+
 def traced_graph(
     api: str,
     model: keras.Model,
@@ -179,9 +187,7 @@ def traced_graph(
     where: Any = None,
 ) -> LayerGraph:
     """The model's `LayerGraph`, from one trace at the sample's (or its inputs') shapes."""
-    if not isinstance(model, keras.Model):
-        fail(api, "`model` must be a Keras model", "model", model, "Pass a keras.Model",
-             error=TypeError)  # fmt: skip
+    check_model(api, model)
     if not model.built:
         fail(
             api,
@@ -194,8 +200,9 @@ def traced_graph(
     checked = check_batch_size(api, batch_size)
     depth = None if depth is None else as_count(api, "depth", depth)
     chosen = selection(api, where)
-    root = trace_model(model, input_specs(api, model, sample, checked), api=api)
-    graph = expand(model, root, depth=depth, where=chosen)
+    with suspended(model):  # the model as defined (NOTE [ A checkpointed model is the model ])
+        root = trace_model(model, input_specs(api, model, sample, checked), api=api)
+        graph = expand(model, root, depth=depth, where=chosen)
     graph.check_static_shapes(api)
     if chosen is not None and not any(selected(chosen, c.layer) for c in graph.calls):
         fail(
@@ -245,9 +252,22 @@ def profile_graph(
     measure_time: bool = False,
 ) -> strategies.Chain:
     """`profile` on a traced graph; the chain's `source` is its `ProfiledModel`."""
-    memories, seconds = _call_memories(
-        graph, batch_size, progress, _Measuring(measure, measure_time)
-    )
+    with suspended(graph.model):  # measured as defined, not as checkpointed now
+        return _profile_graph(
+            graph, batch_size, optimizer, progress, where, policy, _Measuring(measure, measure_time)
+        )
+
+
+def _profile_graph(
+    graph: LayerGraph,
+    batch_size: int,
+    optimizer: Any,
+    progress: Progress | None,
+    where: Any,
+    policy: Any,
+    measuring: _Measuring,
+) -> strategies.Chain:
+    memories, seconds = _call_memories(graph, batch_size, progress, measuring)
     needed = _read_by_backward(graph, memories)
     links = _links(graph, needed)
     link_of = [0] * len(graph.calls)

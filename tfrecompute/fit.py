@@ -3,7 +3,7 @@
 A plan made from predictions alone keeps a fixed share of its budget for
 the allocator's rounding (NOTE [ Budget headroom ] in
 `tfrecompute/strategies/headroom.py`). With a labelled sample batch the plan
-can be measured instead: `verified_plan` rewrites the model, runs its
+can be measured instead: `verified_plan` checkpoints the model, runs its
 compiled train step (`measure_step`), and re-plans with the measured
 correction until the measured step fits the budget and uses most of it.
 `max_batch_size` searches for the largest batch whose verified plan fits.
@@ -38,9 +38,10 @@ from tfrecompute import strategies
 from tfrecompute._messages import fail
 from tfrecompute.costs import COMPILED, ProfiledModel, batch_of, profile_graph, traced_graph
 from tfrecompute.errors import InfeasibleBudgetError
+from tfrecompute.layers.in_place import Checkpoints, restored_on_error
 from tfrecompute.layers.policy import resolve_policy
 from tfrecompute.measure import measure_step
-from tfrecompute.rewrite import block_policies, rewrite
+from tfrecompute.rewrite import apply, block_policies
 from tfrecompute.strategies.units import budget_bytes
 
 __all__ = ["Probe", "VerifiedPlan", "labelled", "planner", "verified_plan", "verify"]
@@ -78,8 +79,8 @@ class VerifiedPlan:
 
     Attributes:
         plan: the plan (predicted peak and recompute cost as any plan).
-        model: the model rewritten by it, compiled like the original (a
-            fresh copy of its optimizer, the same loss).
+        model: the model, checkpointed by the plan (the same object, as
+            `tfrecompute.recompute` returns it).
         peak_bytes: the allocator's peak of its measured train step.
         budget_bytes: the budget.
         probes: every plan measured on the way, in order.
@@ -128,6 +129,15 @@ def _check_compiled(api: str, model: keras.Model) -> None:
         )
 
 
+def _measured(model: keras.Model, applied: Checkpoints | None) -> keras.Model:
+    """A model that runs as `model` now does, to compile and measure without touching
+    `model`'s own optimizer: the rebuilt model its call runs, else a Functional model
+    over its graph (whose calls checkpointed in place run as in `model`)."""
+    if applied is not None and applied.runtime is not None:
+        return applied.runtime
+    return keras.Model(model.input, model.output, name=f"{model.name}_measured")
+
+
 def _compiled_like(api: str, model: keras.Model, rewritten: keras.Model) -> keras.Model:
     """`rewritten`, compiled with a fresh copy of `model`'s optimizer and its loss."""
     _check_compiled(api, model)
@@ -159,19 +169,19 @@ class _Planner:
         assert isinstance(source, ProfiledModel)
         return source
 
-    def rewritten(self, plan: strategies.Plan) -> keras.Model:
+    def apply(self, plan: strategies.Plan) -> Checkpoints | None:
+        """Checkpoints the model by `plan` (replacing what was applied before)."""
         segments = self.profiled.call_segments(plan.segments)
         policies = block_policies(self.api, plan, self.policy)
-        rewritten = rewrite(self.profiled.graph, segments, policies=policies)
-        return _compiled_like(self.api, self.model, rewritten)
+        return apply(self.profiled.graph, segments, plan=plan, policies=policies)
 
     def measure(self, plan: strategies.Plan, planned: int) -> Probe:
         """Measures `plan`'s compiled step; the model's weights are restored afterwards."""
         values = [np.array(v.numpy()) for v in self.model.variables]
         try:
-            rewritten = self.rewritten(plan)
-            step = measure_step(rewritten, self.x, self.y, steps=2)
-            state = _bytes(rewritten.variables) + _bytes(rewritten.optimizer.variables)
+            measured = _compiled_like(self.api, self.model, _measured(self.model, self.apply(plan)))
+            step = measure_step(measured, self.x, self.y, steps=2)
+            state = _bytes(measured.variables) + _bytes(measured.optimizer.variables)
         finally:
             for variable, value in zip(self.model.variables, values):
                 variable.assign(value)
@@ -198,16 +208,16 @@ def planner(
     _check_compiled(api, model)
     chosen = strategies.get(strategy)
     graph = traced_graph(api, model, sample, None, depth=depth, where=where)
-    if any(c.in_place or c.region not in (None, graph.root) for c in graph.calls):
+    if graph.root is None:
         fail(
             api,
-            "a verified plan rewrites the model once per measured plan, and some of its "
-            "calls are made by a subclassed layer's code, so they would be checkpointed in "
-            "place, which a later rewrite cannot undo",
+            "a verified plan measures the compiled train step of a Functional model that runs "
+            "as the checkpointed model does, with a fresh copy of its optimizer, and a "
+            "subclassed model's call cannot be rebuilt into one",
             "model",
             model,
             "Plan it with tfrecompute.recompute(model, budget=..., sample=...) and the default "
-            "headroom, or, for a Functional model, plan over its own calls with depth=0",
+            "headroom, or measure a plan yourself with tfrecompute.measure_step",
             by_name=True,
         )
     chain = profile_graph(graph, batch_of(graph), COMPILED, where=where, policy=policy)
@@ -219,6 +229,13 @@ def verify(
 ) -> VerifiedPlan:
     """NOTE [ Re-planning with the measured correction ] for a profiled model."""
     total = budget_bytes(budget, api=planner.api, name="budget")
+    with restored_on_error(planner.model):
+        return _verify(planner, total, budget, progress)
+
+
+def _verify(
+    planner: _Planner, total: int, budget: Any, progress: Callable[[Probe], None] | None
+) -> VerifiedPlan:
     planned, first = _first_plan(planner, total)
     plan: strategies.Plan | None = first
     measured: dict[tuple[tuple[int, int], ...], Probe] = {}
@@ -240,9 +257,8 @@ def verify(
         _none_fits(planner.api, budget, total, probes)
     best = min(fitting, key=lambda s: (measured[s].recompute_cost, -measured[s].measured_bytes))
     chosen = plans[best]
-    return VerifiedPlan(
-        chosen, planner.rewritten(chosen), measured[best].measured_bytes, total, tuple(probes)
-    )
+    planner.apply(chosen)
+    return VerifiedPlan(chosen, planner.model, measured[best].measured_bytes, total, tuple(probes))
 
 
 def _first_plan(planner: _Planner, total: int) -> tuple[int, strategies.Plan]:
@@ -301,7 +317,7 @@ def verified_plan(
 ) -> VerifiedPlan:
     """A plan whose compiled train step is measured to fit `budget`, using most of it.
 
-    Plans `model` at the sample's shapes, rewrites it, runs its compiled
+    Plans `model` at the sample's shapes, checkpoints it, runs its compiled
     train step (the one `model.fit` runs, with a fresh copy of the model's
     optimizer and its loss) and reads the allocator's peak; then re-plans
     with the measured correction until the measured step fits within 90% of
@@ -325,7 +341,9 @@ def verified_plan(
         progress: called with each `Probe` as it is measured.
 
     Returns:
-        A `VerifiedPlan`: the plan, the rewritten model, its measured peak.
+        A `VerifiedPlan`: the plan, the model (checkpointed by it, as
+        `recompute` leaves it; on an error the model keeps what it had),
+        its measured peak.
 
     Raises:
         ValueError: the sample has no labels, or the model is not compiled.

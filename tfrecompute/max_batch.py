@@ -9,7 +9,7 @@ process (`python -m tfrecompute._probe`): the model is saved once to a
 temporary `.keras` file with its compile configuration, the sample pickled
 beside it, and each child loads both, repeats the sample to the probed batch
 size, makes a verified plan and reports it as one JSON line. The parent then
-re-applies the found plan's segments to its own model. A model that cannot be
+applies the found plan's segments to its own model. A model that cannot be
 saved (a subclassed model without `get_config`) is searched in this process
 with `isolate=False`, at the cost of that fragmentation.
 """
@@ -59,12 +59,13 @@ class BatchProbe:
 
 @dataclasses.dataclass(frozen=True)
 class MaxBatch:
-    """The largest batch that fits, with its plan and the model rewritten by it.
+    """The largest batch that fits, with its plan and the model checkpointed by it.
 
     Attributes:
         batch_size: the largest batch size whose measured step fitted.
         plan: its plan (on the chain at that batch size).
-        model: the model rewritten by it, compiled like the original.
+        model: the model, checkpointed by the plan (the same object, as
+            `tfrecompute.recompute` returns it).
         peak_bytes: its measured peak.
         budget_bytes: the budget.
         probes: every batch size tried, in order.
@@ -247,7 +248,8 @@ def max_batch_size(
         progress: called with each `BatchProbe` as it is measured.
 
     Returns:
-        A `MaxBatch`: the batch size, its plan, the rewritten model, its peak.
+        A `MaxBatch`: the batch size, its plan, the model (checkpointed by
+        that plan, as `recompute` leaves it), its peak.
 
     Raises:
         ValueError: the sample has no labels, the model is not compiled, or
@@ -325,6 +327,5 @@ def _found(
         if best.segments
         else strategies.none(made.chain)
     )
-    return MaxBatch(
-        best.batch_size, plan, made.rewritten(plan), best.peak_bytes, total, tuple(probes)
-    )
+    made.apply(plan)
+    return MaxBatch(best.batch_size, plan, model, best.peak_bytes, total, tuple(probes))

@@ -21,12 +21,14 @@ from tfrecompute.costs import (
     ProfiledModel,
     batch_of,
     check_batch_size,
+    check_model,
     profile_graph,
     profiled_model,
     traced_graph,
 )
+from tfrecompute.layers.in_place import remove
 from tfrecompute.layers.policy import resolve_policy
-from tfrecompute.rewrite import block_policies, rewrite
+from tfrecompute.rewrite import apply, block_policies
 
 __all__ = ["plan", "recompute"]
 
@@ -258,24 +260,34 @@ def recompute(
     policy: Any = None,
     verify: bool = False,
 ) -> keras.Model:
-    """A checkpointed model: the plan's calls recomputed in backprop, in `RecomputeBlock`s.
+    """Checkpoints `model` itself: the plan's calls are recomputed in backprop.
 
-    What comes back depends on where the planned calls are (NOTE in
-    `tfrecompute.rewrite`):
+    Checkpointing changes how the model runs, never what it is (NOTE [ A
+    checkpointed model is the model ] in `tfrecompute/layers/in_place.py`):
+    the same model object comes back, with its layers, variables, weight
+    paths and config; `model.save`, `save_weights`, `tf.train.Checkpoint`,
+    `model.export` and every callback see the model as it was, and weights
+    move between it and the same model without checkpointing. How it runs:
 
     * calls of a Sequential or Functional graph (nested Functional models
-      included, inlined): a new model that shares the original's layers and
-      variables (no copies: training one trains the other), each segment a
+      included, inlined; a keras-hub task's backbone): the model's call runs
+      a rebuilt model that shares its layers, each segment a
       `RecomputeBlock` around a Functional sub-model of its calls (a list of
       layers in a Sequential); tensors that only pass by a segment (long
-      skip connections) go around its block. A Sequential gives a Sequential.
+      skip connections) go around its block. A keras-hub task stays the
+      task (`generate`, `score`, `backbone`, `enable_lora`).
     * calls made by a subclassed layer's or model's code (the blocks of
-      keras-hub's `ViTEncoder`, a subclassed model's layers): checkpointed in
-      place, one call at a time (`tfrecompute.layers.in_place`). A
-      subclassed model is returned itself, changed; the layer objects of a
-      Functional model are changed in place in the original too. In-place
-      checkpoints are not saved with the model: apply them again after
-      loading.
+      keras-hub's `ViTEncoder`, a subclassed model's layers): checkpointed
+      where they are made, one call at a time. This changes those layer
+      objects wherever else they are used.
+
+    Calling `recompute` again replaces what the previous call applied;
+    `recompute(model, "none")` turns checkpointing off, and
+    `tfrecompute.checkpoints(model)` tells what is applied (the plan and
+    its blocks). A model loaded from a file is the model without
+    checkpointing: call `recompute` on it again (with the same plan, or the
+    same arguments). `fit`, `evaluate` and `predict` trace the model's call
+    again after each change.
 
     Args:
         model: a built Keras model: Sequential, Functional or subclassed.{shared}
@@ -287,20 +299,20 @@ def recompute(
             every block gets it.
         verify: measure the plan instead of trusting a fixed headroom: with a
             `budget` and a labelled `sample=(x, y)`, run the compiled train
-            step of the rewritten model, read the allocator's peak and
-            re-plan until the measured step fits the budget and uses most of
-            it (`tfrecompute.verified_plan`, whose `.model` this returns,
-            compiled like `model`, which must be compiled), with the
-            policy if one is given.
+            step of the checkpointed model (`model` must be compiled), read
+            the allocator's peak and re-plan until the measured step fits
+            the budget and uses most of it (`tfrecompute.verified_plan`),
+            with the policy if one is given.
     Returns:
-        The checkpointed model.
+        `model` itself, checkpointed.
 
     Example:
 
     ```python
-    checkpointed = tfrecompute.recompute(model, budget="1GiB", batch_size=64)
-    checkpointed.compile(optimizer="adam", loss="mse")
-    checkpointed.fit(x, y, batch_size=64)
+    tfrecompute.recompute(model, budget="1GiB", batch_size=64)
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(x, y, batch_size=64)
+    model.save("model.keras")  # the model as defined: no blocks in the file
     backbone = tfrecompute.recompute(keras_hub.models.BertBackbone(...), sample=batch)
     ```
     """
@@ -314,11 +326,17 @@ def recompute(
         "policy": policy,
     }
     resolve_policy("recompute", policy)
+    if strategy == "none" and all(value is None for value in options.values()) and not verify:
+        check_model("recompute", model)
+        remove(model)  # storing everything: nothing to plan
+        return model
     if as_bool("recompute", "verify", verify):
         return _verified("recompute", model, strategy, options).model
     chosen, profiled = _resolve_plan("recompute", model, strategy, options)
     segments = profiled.call_segments(chosen.segments)
-    return rewrite(profiled.graph, segments, policies=block_policies("recompute", chosen, policy))
+    policies = block_policies("recompute", chosen, policy)
+    apply(profiled.graph, segments, plan=chosen, policies=policies)
+    return model
 
 
 plan.__doc__ = (plan.__doc__ or "").replace("{shared}", _SHARED_ARGS.rstrip() + "\n")

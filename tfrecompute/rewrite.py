@@ -1,95 +1,127 @@
 """A plan applied to a model: the one place above `layers/` that builds `RecomputeBlock`s.
 
-`rewrite(graph, segments)` applies segments of the graph's calls:
+`apply(graph, segments)` checkpoints segments of the graph's calls in the
+model itself (NOTE [ A checkpointed model is the model ] in
+`layers/in_place.py`):
 
 * A segment of graph calls (calls of the model's Functional or Sequential
   graph, nested Functional models inlined) becomes a `RecomputeBlock`
-  around a Functional sub-model of those calls, in a new model that shares
-  the original's layers and variables. The sub-model's inputs are the
-  tensors the segment consumes from before it, its outputs the tensors later
-  calls (or the model's outputs) need from it; tensors that only pass by a
-  segment (a U-Net's long skip) go around its block. A Sequential model
-  gets a Sequential back, its blocks wrapping lists of layers.
+  around a Functional sub-model of those calls, in a rebuilt model that
+  shares the model's layers and variables and that the model's own call is
+  routed to. The sub-model's inputs are the tensors the segment consumes
+  from before it, its outputs the tensors later calls (or the model's
+  outputs) need from it; tensors that only pass by a segment (a U-Net's
+  long skip) go around its block. A Sequential model is routed to a
+  Sequential, its blocks wrapping lists of layers.
 * A Functional model that a subclassed layer's code calls is a region of
-  its own: it is rebuilt the same way, and its `call` routed in place to the
-  rebuilt model (NOTE [ In-place checkpoints ] in `layers/in_place.py`).
+  its own: it is rebuilt the same way, and its `call` routed to the rebuilt
+  model.
 * A segment of one call made by a subclassed layer's code is checkpointed
   in place: the layer object stays, so this also holds wherever else it is
-  used, the original model included. A subclassed model gets itself back,
-  changed in place; a Functional model a new one, whose subclassed layers
-  (shared with the original) are changed in place.
+  used.
 """
 
 from __future__ import annotations
 
-import warnings
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import keras
 
 from tfrecompute import strategies
-from tfrecompute._keras_internals import functional_inputs
+from tfrecompute._keras_internals import (
+    all_sublayers,
+    call_has_mask_arg,
+    call_has_training_arg,
+    functional_inputs,
+    functional_nodes,
+    is_functional,
+)
 from tfrecompute._messages import fail
-from tfrecompute.graph import Call, LayerGraph, Region, Unit
+from tfrecompute.graph import Call, LayerGraph, Region, Unit, declared_input, declared_output
 from tfrecompute.layers import RecomputeBlock
-from tfrecompute.layers.in_place import checkpoint_in_place, route_call
+from tfrecompute.layers.in_place import (
+    Checkpoints,
+    checkpoint_in_place,
+    record,
+    remove,
+    route_call,
+)
 
-__all__ = ["block_policies", "rewrite"]
+__all__ = ["apply", "block_policies", "unwrap"]
 
 
-def rewrite(
+@dataclasses.dataclass
+class _Placement:
+    """The segments to place, by start: their stop and policy; the blocks made so far."""
+
+    starts: dict[int, int]
+    policy_at: dict[int, Any]
+    names: list[str]
+    blocks: list[RecomputeBlock] = dataclasses.field(default_factory=list)
+
+
+def apply(
     graph: LayerGraph,
     segments: Sequence[tuple[int, int]],
     *,
-    name: str | None = None,
+    plan: Any = None,
     policies: Sequence[Any] | None = None,
-) -> keras.Model:
-    """The model with each range of calls recomputed (see the module docstring).
+) -> Checkpoints | None:
+    """Checkpoints each range of calls of the graph's model, in the model itself.
+
+    NOTE [ A checkpointed model is the model ] in `layers/in_place.py`: what
+    was applied to the model before is removed first; the model's own call is
+    then routed to a rebuilt model with the blocks placed (a Functional or
+    Sequential model's calls), and calls made by a subclassed layer's code
+    are checkpointed where they are made.
 
     Args:
-        graph: the layer graph of the model to rewrite.
+        graph: the layer graph of the model, traced as it was defined.
         segments: sorted, disjoint half-open ranges `(start, stop)` of call
             indices: runs of graph calls of one region, or single calls made
             by a subclassed layer's code.
-        name: the new model's name; `<model name>_recompute` by default.
+        plan: the plan the segments come from, recorded with them.
         policies: the recompute policy of each segment's block (see
             `RecomputeBlock`); None for none.
 
     Returns:
-        The model itself for a subclassed model; else a new `keras.Sequential`
-        for a Sequential model whose calls are all its own layers, or a new
-        Functional `keras.Model`.
+        What was applied (`Checkpoints`), None when no segment was given.
     """
-    starts: dict[int, int] = {}
-    policy_at: dict[int, Any] = {}
-    for (start, stop), policy in zip(segments, policies or [None] * len(segments)):
-        policy_at[start] = policy
-        if graph.calls[start].in_place:
-            checkpoint_in_place(graph.calls[start].layer, policy=policy)
-        else:
-            starts[start] = stop
+    model = graph.model
+    remove(model)
+    if not segments:
+        return None
     # Block names become TensorFlow name scopes: no "#" or "/" from call names.
     names = [n.replace("#", "_call").replace("/", "_") for n in graph.names]
-    root = graph.root
+    placement = _Placement({}, {}, names)
+    changed: list[Any] = []
+    for (start, stop), policy in zip(segments, policies or [None] * len(segments)):
+        placement.policy_at[start] = policy
+        if graph.calls[start].in_place:
+            layer = graph.calls[start].layer
+            placement.blocks.append(checkpoint_in_place(layer, policy=policy))
+            changed.append(layer)
+        else:
+            placement.starts[start] = stop
+    runtime = None
     for region in _regions(graph):
-        if region is root or not any(graph.calls[k].region is region for k in starts):
+        if not any(graph.calls[k].region is region for k in placement.starts):
             continue
-        replacement = _rebuild(
-            graph, region, (starts, policy_at), names, f"{region.model.name}_recompute"
-        )
-        route_call(region.model, replacement)
-    if root is None:
-        return graph.model  # a subclassed model, checkpointed in place
-    if graph.sequential:
-        return _rewrite_sequential(
-            graph, (starts, policy_at), names, name or f"{graph.model.name}_recompute"
-        )
-    rebuilt = _rebuild(
-        graph, root, (starts, policy_at), names, name or f"{graph.model.name}_recompute"
-    )
-    _warn_if_unloadable(rebuilt)
-    return rebuilt
+        made = len(placement.blocks)
+        name = f"{region.model.name}_recompute"
+        if region is graph.root and graph.sequential:
+            replacement: keras.Model = _rewrite_sequential(graph, placement, name)
+        else:
+            replacement = _rebuild(graph, region, placement, name)
+        route_call(region.model, replacement, blocks=placement.blocks[made:])
+        changed.append(region.model)
+        if region is graph.root:
+            runtime = replacement
+    applied = Checkpoints(plan, runtime, tuple(placement.blocks), tuple(changed))
+    record(model, applied)
+    return applied
 
 
 def block_policies(api: str, plan: strategies.Plan, policy: Any) -> list[Any]:
@@ -113,40 +145,6 @@ def block_policies(api: str, plan: strategies.Plan, policy: Any) -> list[Any]:
     return [policy if plan.is_selective(i) else None for i in range(len(plan.segments))]
 
 
-def _warn_if_unloadable(model: keras.Model) -> None:
-    """NOTE [ A layer in two blocks ]
-
-    A layer called in two segments (ALBERT's one transformer layer, applied
-    at every depth) sits in two blocks' sub-models, or in one and in the
-    model around it. Training is exact, and `save_weights`/`load_weights`
-    round-trip, but Keras 3.15 cannot load a `.keras` file in which one
-    layer is shared between nested Functional models ("Output with path ``
-    is not connected to `inputs`"), with or without blocks. Saying so now
-    beats finding out when loading a trained model.
-    """
-    owners: dict[int, set[str]] = {}
-    names: dict[int, str] = {}
-    containers = [model]
-    while containers:
-        container = containers.pop()
-        for layer in container.layers:
-            if isinstance(layer, RecomputeBlock):
-                containers += [inner for inner in layer.layers if isinstance(inner, keras.Model)]
-                continue
-            owners.setdefault(id(layer), set()).add(container.name)
-            names[id(layer)] = layer.name
-    shared = sorted(names[key] for key, found in owners.items() if len(found) > 1)
-    if shared:
-        more = f" (and {len(shared) - 1} more)" if len(shared) > 1 else ""
-        warnings.warn(
-            f"recompute: layer {shared[0]!r}{more} is called in more than one block, or in "
-            "a block and outside it. Training is exact, but Keras cannot load such a model "
-            "from a .keras file. Save and load its weights instead (model.save_weights, "
-            "then load_weights into the same model rewritten by the same plan).",
-            stacklevel=4,
-        )
-
-
 def _regions(graph: LayerGraph) -> list[Region]:
     """The regions of the graph's calls, outermost first."""
     found: dict[int, Region] = {}
@@ -156,15 +154,9 @@ def _regions(graph: LayerGraph) -> list[Region]:
     return list(found.values())
 
 
-Segments = tuple[dict[int, int], dict[int, Any]]
-"""The segments by start: their stop, and their block's policy."""
-
-
-def _rebuild(
-    graph: LayerGraph, region: Region, segments: Segments, names: list[str], name: str
-) -> keras.Model:
+def _rebuild(graph: LayerGraph, region: Region, placement: _Placement, name: str) -> keras.Model:
     """A Functional model computing `region` from its model's inputs, with the blocks placed."""
-    starts, policy_at = segments
+    starts = placement.starts
     model = region.model
     mapping: dict[int, Any] = dict(zip(map(id, region.inputs), functional_inputs(model)))
     replayed: set[int] = set()
@@ -180,8 +172,7 @@ def _rebuild(
             index += 1
         elif index in starts:
             stop = starts[index]
-            block_name = f"recompute_{names[index]}"
-            _apply_block(graph, (index, stop), block_name, mapping, policy_at[index])
+            _apply_block(graph, (index, stop), placement, mapping)
             index = stop
         else:
             _replay(anchor, mapping)
@@ -192,13 +183,11 @@ def _rebuild(
     return keras.Model(inputs, outputs, name=name)
 
 
-def _rewrite_sequential(
-    graph: LayerGraph, segments: Segments, names: list[str], name: str
-) -> keras.Sequential:
+def _rewrite_sequential(graph: LayerGraph, placement: _Placement, name: str) -> keras.Sequential:
     # A Sequential's graph also holds the ops its layers' masks are computed
     # with (an Embedding's `not_equal`); the Sequential runs those itself, so
     # only its layers are placed.
-    starts, policy_at = segments
+    starts = placement.starts
     placed = [isinstance(c.layer, keras.layers.Layer) for c in graph.calls]
     layers: list[keras.layers.Layer] = []
     index = 0
@@ -207,8 +196,10 @@ def _rewrite_sequential(
         members = [k for k in range(index, stop) if placed[k]]
         if index in starts and members:
             block_layers = [graph.calls[k].layer for k in members]
-            block_name = f"recompute_{names[members[0]]}"
-            layers.append(RecomputeBlock(block_layers, policy=policy_at[index], name=block_name))
+            block_name = f"recompute_{placement.names[members[0]]}"
+            block = RecomputeBlock(block_layers, policy=placement.policy_at[index], name=block_name)
+            placement.blocks.append(block)
+            layers.append(block)
         else:
             layers += [graph.calls[k].layer for k in members]
         index = stop
@@ -241,10 +232,11 @@ def _no_mask_of_its_own(inputs: Any, previous_mask: Any = None) -> None:
 
 
 def _apply_block(
-    graph: LayerGraph, segment: tuple[int, int], name: str, mapping: dict[int, Any], policy: Any
+    graph: LayerGraph, segment: tuple[int, int], placement: _Placement, mapping: dict[int, Any]
 ) -> None:
     """Wraps calls [start, stop) in a block called on the mapped tensors; maps its outputs."""
     start, stop = segment
+    name = f"recompute_{placement.names[start]}"
     input_ids, output_ids = graph.segment_io(start, stop)
     inner: dict[int, Any] = {}
     sub_inputs = []
@@ -268,8 +260,119 @@ def _apply_block(
     # supports masking and adds none.
     sub_model.supports_masking = True
     sub_model.compute_mask = _no_mask_of_its_own
-    block = RecomputeBlock(sub_model, policy=policy, name=name)
+    block = RecomputeBlock(sub_model, policy=placement.policy_at[start], name=name)
+    placement.blocks.append(block)
     block_inputs = [mapping[key] for key in input_ids]
     results = block(block_inputs if len(block_inputs) != 1 else block_inputs[0])
     for key, result in zip(output_ids, keras.tree.flatten(results)):
         mapping[key] = result
+
+
+# ------------------------------------------------------------------ unwrap
+
+
+def unwrap(model: keras.Model) -> keras.Model:
+    """The same model without `RecomputeBlock`s, sharing its layers and variables.
+
+    A model with blocks written by hand saves its weights under the blocks'
+    paths (`layers/recompute_block/inner/dense/...`), which the same model
+    without blocks does not have. `unwrap(model)` is that model: each block
+    replaced by what it wraps (its layers called in order, its single layer
+    or its Functional model), nested models unwrapped too, the same layer
+    objects, so the same variables. Save, export or exchange weights through
+    it, both ways:
+
+    ```python
+    tfrecompute.unwrap(model).save_weights("plain.weights.h5")  # loads into the plain model
+    tfrecompute.unwrap(model).load_weights("plain.weights.h5")  # loads into `model`'s blocks
+    ```
+
+    A model without blocks is returned as it is: that includes a model
+    checkpointed by `tfrecompute.recompute`, which keeps the model's own
+    layers and paths (turn its checkpointing off with `recompute(model,
+    "none")`).
+
+    Args:
+        model: a Sequential or Functional model.
+
+    Returns:
+        `model` if it holds no block, else a new model of the same kind and
+        name, sharing its layers.
+
+    Raises:
+        ValueError: a block is held by a subclassed model's or layer's code,
+            which cannot be rebuilt.
+    """
+    if not isinstance(model, keras.Model):
+        fail("unwrap", "`model` must be a Keras model", "model", model,
+             "Pass the keras.Model that holds the RecomputeBlocks", error=TypeError)  # fmt: skip
+    if not _holds_blocks(model):
+        return model
+    if isinstance(model, keras.Sequential):
+        plain = [p for layer in model.layers for p in _plain_layers(layer)]
+        source = functional_inputs(model)[0]
+        inputs = keras.Input(batch_shape=source.shape, dtype=source.dtype)
+        unwrapped: keras.Model = keras.Sequential([inputs, *plain], name=model.name)
+    elif is_functional(model):
+        mapping: dict[int, Any] = {id(t): t for t in functional_inputs(model)}
+        for node in functional_nodes(model):
+            if not node.is_input:
+                _unwrapped_node(node, mapping)
+        outputs = keras.tree.map_structure(lambda t: mapping[id(t)], declared_output(model))
+        unwrapped = keras.Model(declared_input(model), outputs, name=model.name)
+    else:
+        unwrapped = model
+    left = [layer.name for layer in all_sublayers(unwrapped) if isinstance(layer, RecomputeBlock)]
+    if left:
+        fail(
+            "unwrap",
+            f"RecomputeBlock {left[0]!r} is held by a subclassed layer's or model's code, "
+            "which unwrap cannot rebuild",
+            "model",
+            model,
+            "Leave blocks out of subclassed code and checkpoint it with "
+            "tfrecompute.recompute(model, where=...), which keeps the model's own weight paths",
+            by_name=True,
+        )
+    return unwrapped
+
+
+def _holds_blocks(layer: Any) -> bool:
+    return any(isinstance(sub, RecomputeBlock) for sub in all_sublayers(layer))
+
+
+def _with_training(layer: Any, training: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    if training is not None and call_has_training_arg(layer):
+        return {**kwargs, "training": training}
+    return kwargs
+
+
+def _plain_layers(layer: Any) -> list[Any]:
+    """What `layer` is without blocks, as layers applied in order."""
+    if isinstance(layer, RecomputeBlock):
+        return [p for inner in layer.layers for p in _plain_layers(inner)]
+    if isinstance(layer, keras.Model) and _holds_blocks(layer):
+        return [unwrap(layer)]
+    return [layer]
+
+
+def _unwrapped_node(node: Any, mapping: dict[int, Any]) -> None:
+    """Calls a node's operation, without blocks, on the tensors `mapping` gives."""
+    args = _substituted(node.arguments.args, mapping)
+    kwargs = _substituted(node.arguments.kwargs, mapping)
+    operation = node.operation
+    if isinstance(operation, RecomputeBlock):
+        args, kwargs = operation.unrouted(args, kwargs)
+        training, mask = kwargs.pop("training", None), kwargs.pop("mask", None)
+        first, *rest = _plain_layers(operation)
+        if mask is not None and call_has_mask_arg(first):
+            kwargs["mask"] = mask
+        outputs = first(*args, **_with_training(first, training, kwargs))
+        for layer in rest:
+            outputs = layer(outputs, **_with_training(layer, training, {}))
+    elif isinstance(operation, keras.Model) and _holds_blocks(operation):
+        outputs = unwrap(operation)(*args, **kwargs)
+    else:
+        outputs = operation(*args, **kwargs)
+    for original, new in zip(node.outputs, keras.tree.flatten(outputs)):
+        mapping[id(original)] = new

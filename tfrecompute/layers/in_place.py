@@ -1,37 +1,116 @@
-"""Checkpointing a layer's calls in place, inside code that cannot be rebuilt.
+"""Checkpoints applied where the layers stand, at run time: a model stays what it is.
 
 NOTE [ In-place checkpoints ]
 A subclassed layer's `call` is Python: a rewrite cannot regroup the calls it
 makes. `checkpoint_in_place(layer)` makes every call of `layer` a recomputed
 block where it stands, and `route_call(model, replacement)` makes a
-Functional model that such code calls compute through a rebuilt model with
-blocks (sharing its layers): the layer object stays in its parent (its weights,
-its path in a saved model, its config), and its `call` is routed through a
-`RecomputeBlock` that wraps it. The block is untracked (no Keras attribute
-holds it), so nothing the model saves changes; a model loaded from a file has
-no in-place checkpoints (apply them again). The block runs the layer through
-`Layer.__call__` as usual, with the routing bypassed while the block's own
-forward or recompute runs, so casts, masks and `training` are Keras's own
-in both runs.
+Functional or Sequential model compute through a rebuilt model with blocks
+(sharing its layers): the layer or model object stays in its parent (its
+weights, its path in a saved model, its config), and only its `call` changes,
+as an instance attribute that runs a `RecomputeBlock`. The blocks are
+untracked (no Keras or TensorFlow attribute holds them), so nothing the model
+saves changes. The block runs the layer through `Layer.__call__` as usual,
+with the routing bypassed while the block's own forward or recompute runs, so
+casts, masks and `training` are Keras's own in both runs.
+
+Losses made inside a recomputed forward (`add_loss` in a layer's `call`, an
+activity regularizer) come out of the block; an untracked block hands them to
+a layer a model tracks (the checkpointed layer, or a layer inside the block), where
+`model.losses` finds them and Keras clears them at the next call. The
+layer's own `Layer.__call__` around the routed call applies its activity
+regularizer to the block's output, so the run inside leaves it out.
+
+NOTE [ A checkpointed model is the model ]
+`tfrecompute.recompute(model)` applies a plan with these two means only, and
+records what it changed (`Checkpoints`): the model object is returned, its
+layers, variables, weight paths, config and saved files the original's. So
+every way of saving, restoring, exporting and exchanging weights behaves as
+without checkpointing, and a model loaded from a file is the plain model
+(recompute it again). `remove(model)` undoes everything recorded for it, and
+`suspended(model)` does so for a while (to trace the model as it was
+defined). The model's compiled train, test and predict functions are
+dropped whenever its checkpoints change, so that `fit` traces them again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import keras
 
+from tfrecompute._keras_internals import all_sublayers
 from tfrecompute.layers.block import RecomputeBlock
 
-__all__ = ["checkpoint_in_place", "checkpointed_in_place", "route_call"]
+__all__ = [
+    "Checkpoints",
+    "checkpoint_in_place",
+    "checkpointed_in_place",
+    "checkpoints",
+    "record",
+    "remove",
+    "restored_on_error",
+    "route_call",
+    "suspended",
+]
 
-_blocks: weakref.WeakKeyDictionary[Any, RecomputeBlock] = weakref.WeakKeyDictionary()
+_MISSING = object()
 _bypass = threading.local()
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoints:
+    """What `tfrecompute.recompute` applied to a model (NOTE [ A checkpointed model is the model ]).
+
+    Attributes:
+        plan: the `strategies.Plan` applied.
+        runtime: the model with blocks that the model's own call runs: a
+            Functional or Sequential model sharing its layers, never saved;
+            None for a subclassed model, whose calls are checkpointed where
+            its code makes them.
+        blocks: every `RecomputeBlock` applied, in call order: those of
+            `runtime` (and of the models routed inside it) and those around
+            layers checkpointed in place.
+        changed: the layers and models whose `call` was changed.
+    """
+
+    plan: Any
+    runtime: keras.Model | None
+    blocks: tuple[RecomputeBlock, ...]
+    changed: tuple[Any, ...]
+
+
+@dataclasses.dataclass
+class _Change:
+    """One changed `call`: what the instance held before, the new one, what it runs."""
+
+    previous: Any
+    call: Any
+    runs: Any
+
+
+# The records live on the objects they describe (set like `call`, untracked): a
+# global map would hold them, and through their closures the models, forever.
+_CHANGE = "_tfrecompute_call_change"
+_APPLIED = "_tfrecompute_checkpoints"
+
+
+def _change_of(target: Any) -> _Change | None:
+    change = vars(target).get(_CHANGE)
+    return change if isinstance(change, _Change) else None
+
+
+def _set_untracked(target: Any, name: str, value: Any) -> None:
+    if value is None:
+        if name in vars(target):
+            object.__delattr__(target, name)
+    else:
+        object.__setattr__(target, name, value)
 
 
 @contextlib.contextmanager
@@ -48,31 +127,70 @@ def _is_bypassed(layer: Any) -> bool:
     return id(layer) in getattr(_bypass, "layers", set())
 
 
+@contextlib.contextmanager
+def _without_activity_regularizer(layer: Any) -> Iterator[None]:
+    """The layer's `__call__` around the routed call applies it (NOTE [ In-place checkpoints ])."""
+    regularizer = getattr(layer, "activity_regularizer", None)
+    if regularizer is None:
+        yield
+        return
+    object.__setattr__(layer, "activity_regularizer", None)
+    try:
+        yield
+    finally:
+        object.__setattr__(layer, "activity_regularizer", regularizer)
+
+
 class _InPlaceBlock(RecomputeBlock):
     """A block around one layer whose own `call` routes here (never serialized)."""
 
     def _run_inner(self, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-        with _bypassed(self.inner[0]):
+        layer = self.inner[0]
+        with _bypassed(layer), _without_activity_regularizer(layer):
             return super()._run_inner(inputs, *args, **kwargs)
 
 
+def _change_call(target: Any, call: Any, runs: Any) -> None:
+    """Sets `target.call` (an instance attribute; Keras and TensorFlow track nothing)."""
+    _release(target)
+    _set_untracked(target, _CHANGE, _Change(vars(target).get("call", _MISSING), call, runs))
+    object.__setattr__(target, "call", call)
+
+
+def _release(target: Any) -> None:
+    """Gives `target` back the `call` it had before `_change_call`."""
+    change = _change_of(target)
+    if change is None:
+        return
+    _set_untracked(target, _CHANGE, None)
+    if change.previous is _MISSING:
+        object.__delattr__(target, "call")
+    else:
+        object.__setattr__(target, "call", change.previous)
+
+
 def checkpointed_in_place(layer: Any) -> bool:
-    """Whether `checkpoint_in_place(layer)` was applied."""
-    return layer in _blocks
+    """Whether `checkpoint_in_place(layer)` applies to `layer` now."""
+    change = _change_of(layer)
+    return change is not None and isinstance(change.runs, _InPlaceBlock)
 
 
-def checkpoint_in_place(layer: keras.layers.Layer, *, policy: Any = None) -> None:
+def checkpoint_in_place(layer: keras.layers.Layer, *, policy: Any = None) -> RecomputeBlock:
     """Makes every call of `layer` recompute in backprop, where the layer stands.
 
-    See NOTE [ In-place checkpoints ]. Applying it twice does nothing more.
+    See NOTE [ In-place checkpoints ]. Applying it again replaces the block
+    (with the new policy).
 
     Args:
         layer: a built Keras layer.
         policy: the block's recompute policy (see `RecomputeBlock`).
+
+    Returns:
+        The untracked block that the layer's calls now run through.
     """
-    if checkpointed_in_place(layer):
-        return
+    _release(layer)
     block = _InPlaceBlock(layer, policy=policy, name=f"{layer.name}_in_place")
+    object.__setattr__(block, "_loss_owner", weakref.ref(layer))
     original = layer.call
 
     @functools.wraps(original)
@@ -81,24 +199,110 @@ def checkpoint_in_place(layer: keras.layers.Layer, *, policy: Any = None) -> Non
             return original(*args, **kwargs)
         return block(*args, **kwargs)
 
-    _blocks[layer] = block
-    object.__setattr__(layer, "call", call)  # an instance attribute; Keras tracks nothing
+    _change_call(layer, call, block)
+    return block
 
 
-def route_call(model: keras.Model, replacement: keras.Model) -> None:
+def route_call(
+    model: keras.Model, replacement: keras.Model, *, blocks: Sequence[RecomputeBlock] = ()
+) -> None:
     """Makes `model`'s calls run `replacement`, a rebuilt model sharing its layers.
 
     See NOTE [ In-place checkpoints ]: `model` stays where it is (its weights,
-    its config); only what its `call` computes through changes. Routing again
-    replaces the previous replacement.
+    its config); only what its `call` computes through changes. The losses
+    made inside `blocks` (the blocks placed in `replacement`) go to `model`.
+    Routing again replaces the previous replacement.
     """
-    original = _routes.setdefault(model, model.call)
+    _release(model)
+    for block in blocks:
+        holder = _loss_holder(block)
+        if holder is not None:
+            object.__setattr__(block, "_loss_owner", weakref.ref(holder))
+    original = model.call
 
     @functools.wraps(original)
     def call(inputs: Any, *args: Any, **kwargs: Any) -> Any:
         return replacement(inputs, *args, **kwargs)
 
-    object.__setattr__(model, "call", call)
+    _change_call(model, call, replacement)
 
 
-_routes: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+def _loss_holder(block: RecomputeBlock) -> keras.layers.Layer | None:
+    """A layer of the block that the model tracks and whose `add_loss` takes losses.
+
+    Keras's Functional models refuse `add_loss`, so the losses of a block in a
+    rebuilt model go to one of its own layers (the model collects every layer's).
+    None when the block runs only operations (e.g. `x[:, 0]`): those make no losses.
+    """
+    for layer in all_sublayers(block):
+        if layer is not block and not isinstance(layer, (keras.Model, keras.layers.InputLayer)):
+            return layer
+    return None
+
+
+def _drop_compiled_functions(model: keras.Model) -> None:
+    """Makes `fit`, `evaluate` and `predict` trace `model`'s call again."""
+    for name in ("train_function", "test_function", "predict_function"):
+        if getattr(model, name, None) is not None:
+            setattr(model, name, None)
+
+
+def record(model: keras.Model, applied: Checkpoints) -> None:
+    """Records what was applied to `model` (after `remove(model)` undid the previous)."""
+    _set_untracked(model, _APPLIED, applied)
+    _drop_compiled_functions(model)
+
+
+def checkpoints(model: Any) -> Checkpoints | None:
+    """What `tfrecompute.recompute` applied to `model` and is in force; None if nothing."""
+    applied = vars(model).get(_APPLIED) if hasattr(model, "__dict__") else None
+    return applied if isinstance(applied, Checkpoints) else None
+
+
+def remove(model: keras.Model) -> Checkpoints | None:
+    """Undoes what was recorded for `model`; returns it (None if nothing was)."""
+    applied = checkpoints(model)
+    _set_untracked(model, _APPLIED, None)
+    if applied is not None:
+        for target in reversed(applied.changed):
+            _release(target)
+        _drop_compiled_functions(model)
+    return applied
+
+
+def _saved_changes(applied: Checkpoints) -> list[tuple[Any, _Change]]:
+    found = [(target, _change_of(target)) for target in applied.changed]
+    return [(target, change) for target, change in found if change is not None]
+
+
+@contextlib.contextmanager
+def restored_on_error(model: keras.Model) -> Iterator[None]:
+    """Gives `model` back the checkpoints it had on entry if the body raises."""
+    applied = checkpoints(model)
+    saved = [] if applied is None else _saved_changes(applied)
+    try:
+        yield
+    except BaseException:
+        remove(model)
+        for target, change in saved:
+            _change_call(target, change.call, change.runs)
+        if applied is not None:
+            record(model, applied)
+        raise
+
+
+@contextlib.contextmanager
+def suspended(model: keras.Model) -> Iterator[None]:
+    """`model` as it was defined while inside: its recorded checkpoints undone, then redone."""
+    applied = checkpoints(model)
+    if applied is None:
+        yield
+        return
+    saved = _saved_changes(applied)
+    for target, _ in reversed(saved):
+        _release(target)
+    try:
+        yield
+    finally:
+        for target, change in saved:
+            _change_call(target, change.call, change.runs)
