@@ -23,7 +23,7 @@ TensorFlow's CPU allocator statistics record nothing; smoke: width 128, batch
   of predicted peaks, so it is planned with `headroom=0` (no share left for
   the allocator's rounding, NOTE [ Budget headroom ]).
 
-Each plan's model (`tfrecompute.recompute(model, plan)`, or the original for a
+Each plan's model (`tfrecompute.recompute(build(), plan)`, or the original for a
 plan without segments) is compiled with SGD and MSE and measured as
 `tfrecompute.measure_step` does (`_report.measure_steps`: one warm-up step,
 then `--steps` steps: the largest peak the step added and the median step time,
@@ -141,12 +141,15 @@ def measure_depth(
     from tfrecompute import strategies
 
     start = time.perf_counter()
-    keras.utils.set_random_seed(SEED)
-    model = keras.Sequential(
-        [keras.Input((width,))]
-        + [keras.layers.Dense(width, activation="tanh", name=f"dense_{i}") for i in range(depth)],
-        name=f"mlp_{depth}",
-    )
+
+    def build() -> Any:
+        keras.utils.set_random_seed(SEED)
+        dense = [
+            keras.layers.Dense(width, activation="tanh", name=f"dense_{i}") for i in range(depth)
+        ]
+        return keras.Sequential([keras.Input((width,)), *dense], name=f"mlp_{depth}")
+
+    model = build()
     rng = np.random.default_rng(SEED)
     x = rng.standard_normal((batch_size, width)).astype("float32")
     y = rng.standard_normal((batch_size, width)).astype("float32")
@@ -157,8 +160,8 @@ def measure_depth(
     budget = min(2 * least, store_all)
     forward = chain.total_forward_cost
 
-    def turn(rewritten: Any) -> Callable[[_report.StepTimes], int]:
-        return lambda times: _report.measure_steps(rewritten, x, y, times, steps=steps)
+    def turn(variant_model: Any) -> Callable[[_report.StepTimes], int]:
+        return lambda times: _report.measure_steps(variant_model, x, y, times, steps=steps)
 
     plans, turns, first = [], [], []
     times = [_report.StepTimes() for _ in variants]
@@ -170,10 +173,11 @@ def measure_depth(
             batch_size=batch_size,
             headroom=0 if variant == "optimal" else None,
         )
-        rewritten = tfrecompute.recompute(model, plan) if plan.segments else model
-        rewritten.compile(optimizer="sgd", loss="mse")
+        # Each plan checkpoints a model of its own (built alike), so that they take turns.
+        variant_model = tfrecompute.recompute(build(), plan)
+        variant_model.compile(optimizer="sgd", loss="mse")
         plans.append(plan)
-        turns.append(turn(rewritten))
+        turns.append(turn(variant_model))
         # The first round right after the plan's model is built: its memory is reported.
         first.append(_report.interleaved_rounds(turns[-1:], [variant_times], rounds=1)[0])
     # Timing rounds: the plans take turns, so that a burst of load from other

@@ -84,9 +84,9 @@ def measure(name: str, batch_size: int, traces: int = TRACES) -> dict[str, objec
         plan = tfrecompute.plan(
             model, strategy, budget=budget if strategy == "optimal" else None, batch_size=batch_size
         )
-        rewritten = tfrecompute.recompute(model, plan) if plan.segments else model
-        rewritten.compile(optimizer="sgd", loss="mse")
-        rows.append(_row(strategy, plan, rewritten, (x, y), static, traces))
+        tfrecompute.recompute(model, plan)
+        model.compile(optimizer="sgd", loss="mse")
+        rows.append(_row(strategy, plan, model, (x, y), static, traces))
         rows[-1]["budget_bytes"] = budget if strategy == "optimal" else None
         rows[-1]["headroom"] = strategies.DEFAULT_HEADROOM if strategy == "optimal" else None
     model.compile(optimizer="sgd", loss="mse")
@@ -104,14 +104,14 @@ def measure(name: str, batch_size: int, traces: int = TRACES) -> dict[str, objec
     return {"model": name, "batch_size": batch_size, "links": chain.n, "rows": rows}
 
 
-def _row(strategy: str, plan, rewritten, batch, static, traces: int) -> dict[str, Any]:  # noqa: ANN001
+def _row(strategy: str, plan, model, batch, static, traces: int) -> dict[str, Any]:  # noqa: ANN001
     """One plan's predicted peak (with and without measured costs) against its steps."""
     import tfrecompute
     from tfrecompute import strategies
 
     x, y = batch
-    step = tfrecompute.measure_step(rewritten, x, y)
-    traced = [tfrecompute.trace_step(rewritten, x, y, warmup=1) for _ in range(traces)]
+    step = tfrecompute.measure_step(model, x, y)
+    traced = [tfrecompute.trace_step(model, x, y, warmup=1) for _ in range(traces)]
     requested = max(max(t.requested_peak_bytes for t in traced), 1)
     static_bytes = strategies.simulate(static, plan.segments).peak_bytes
     return {

@@ -74,3 +74,6 @@ def test_bert_finetune(capsys):
     assert 0 < taken <= 100  # the plan's measured step fits its budget
     difference = float(out.split("largest weight difference after 2 steps: ")[1].split()[0])
     assert difference < 1e-5  # the two models trained alike
+    assert "BertTextClassifier saved with checkpointing, loaded into one built without: " in out
+    loaded = float(out.split("largest weight difference ")[-1].split()[0])
+    assert loaded == 0.0
