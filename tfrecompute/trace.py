@@ -23,7 +23,7 @@ from tfrecompute._keras_internals import is_functional, recording_calls
 from tfrecompute._messages import fail, received
 from tfrecompute.graph import declared_input
 
-__all__ = ["TracedCall", "flat_tensors", "input_specs", "trace_model"]
+__all__ = ["TracedCall", "flat_tensors", "input_specs", "is_traced_tensor", "trace_model"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -77,9 +77,19 @@ class _Recorder:
             pass
 
 
+def is_traced_tensor(value: Any) -> bool:
+    """Whether `value` is a tensor a traced call computes with, not a variable.
+
+    Layers pass variables too (CLIP's embedding layer is called on its
+    `position_ids` weight); a variable is state, not an activation, and Keras
+    variables have no `ref()`.
+    """
+    return tf.is_tensor(value) and not isinstance(value, (keras.Variable, tf.Variable))
+
+
 def flat_tensors(structure: Any) -> list[tf.Tensor]:
-    """The tensors in a nested structure, in flatten order (other leaves left out)."""
-    return [t for t in keras.tree.flatten(structure) if tf.is_tensor(t)]
+    """The tensors in a nested structure, in flatten order (variables and other leaves left out)."""
+    return [t for t in keras.tree.flatten(structure) if is_traced_tensor(t)]
 
 
 def trace_model(model: keras.Model, inputs: Any, *, api: str = "profile") -> TracedCall:
