@@ -171,9 +171,9 @@ def _trace(layer: Any, args: Any, kwargs: Any, outputs: Any, batch_size: int) ->
             call_kwargs["training"] = True
         with tf.GradientTape() as tape:
             tape.watch([value for value in inputs if value.dtype.is_floating])
-            results = keras.tree.flatten(
-                layer(*keras.tree.map_structure(substitute, args), **call_kwargs)
-            )
+            returned = layer(*keras.tree.map_structure(substitute, args), **call_kwargs)
+            # the tensors only, as `outputs` holds them (DeiT's blocks return `(y, None)`)
+            results = [r for r in keras.tree.flatten(returned) if tf.is_tensor(r)]
         traced.forward_ops = len(tf.compat.v1.get_default_graph().get_operations())
         traced.inputs = [_buffer(v).ref() for v in inputs]
         traced.outputs = [_buffer(r).ref() for r in results]

@@ -48,7 +48,7 @@ from tfrecompute._keras_internals import (
 from tfrecompute._messages import fail
 from tfrecompute.graph import Call, LayerGraph, Region, Unit, declared_output
 from tfrecompute.layers import RecomputeBlock
-from tfrecompute.trace import TracedCall, flat_tensors
+from tfrecompute.trace import TracedCall, flat_tensors, is_traced_tensor
 
 __all__ = ["Selection", "expand", "selected", "selection"]
 
@@ -230,7 +230,7 @@ def expand(
         expander.in_code(root, unit, {}, 1, "")
         unit.outputs = outputs = [expander.proxies[t.ref()] for t in flat_tensors(root.outputs)]
         structure = keras.tree.map_structure(
-            lambda t: expander.proxies[t.ref()] if tf.is_tensor(t) else t, root.outputs
+            lambda t: expander.proxies[t.ref()] if is_traced_tensor(t) else t, root.outputs
         )
         root_region = None
     return LayerGraph(
@@ -306,13 +306,42 @@ def _nodes_match(call: TracedCall) -> bool:
 
 
 def _glue_free(call: TracedCall) -> bool:
-    """Whether `call`'s sub-layer calls take and give only each other's and its own tensors."""
+    """Whether `call`'s sub-layer calls take and give only each other's and its own tensors.
+
+    Tensors its code makes from shapes alone (DeiT's encoder returns empty
+    placeholders `ops.empty((0, seq_len, hidden))` beside its output) are no
+    computation to keep or recompute, and do not count.
+    """
     known = {t.ref() for t in flat_tensors(call.received)}
     for child in call.children:
-        if any(t.ref() not in known for t in flat_tensors((child.args, child.kwargs))):
+        if not all(_known_or_shaped(t, known) for t in flat_tensors((child.args, child.kwargs))):
             return False
         known.update(t.ref() for t in flat_tensors(child.outputs))
-    return all(t.ref() in known for t in flat_tensors(call.outputs))
+    return all(_known_or_shaped(t, known) for t in flat_tensors(call.outputs))
+
+
+_SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank"})
+
+
+def _known_or_shaped(tensor: tf.Tensor, known: set[Any]) -> bool:
+    """Whether `tensor` is known, or made from no tensor's values (shapes and constants)."""
+    if tensor.ref() in known:
+        return True
+    seen: set[Any] = set()
+    pending = [tensor]
+    while pending:
+        current = pending.pop()
+        if isinstance(current, tf.__internal__.EagerTensor):
+            continue  # a constant the traced code was given
+        if current.ref() in seen or current.op.type in _SHAPE_OPS:
+            continue
+        seen.add(current.ref())
+        if current.ref() in known or len(seen) > _GLUE_WALK:
+            return False  # reads a value the call received or a sub-layer made
+        if current.op.type in ("Placeholder", "VarHandleOp", "ReadVariableOp"):
+            return False
+        pending.extend(current.op.inputs)
+    return True
 
 
 def _substitute(structure: Any, known: dict[int, Any]) -> Any:
@@ -328,7 +357,7 @@ def _substitute_refs(structure: Any, proxies: dict[Any, Any]) -> Any:
     """`structure` with each traced tensor replaced by its proxy (by ref)."""
 
     def swap(value: Any) -> Any:
-        return proxies[value.ref()] if tf.is_tensor(value) else value
+        return proxies[value.ref()] if is_traced_tensor(value) else value
 
     return keras.tree.map_structure(swap, structure)
 
@@ -352,7 +381,7 @@ def _received_proxies(call: TracedCall, args: Any, kwargs: dict[str, Any]) -> di
     return {
         got.ref(): passed
         for passed, got in pairs
-        if isinstance(passed, keras.KerasTensor) and tf.is_tensor(got)
+        if isinstance(passed, keras.KerasTensor) and is_traced_tensor(got)
     }
 
 
