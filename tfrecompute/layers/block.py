@@ -578,7 +578,29 @@ class RecomputeBlock(keras.layers.Layer):
         kwargs.pop("training", None)
         routed = [kwargs.pop(name, None) for name in _ROUTED]
         args, kwargs = _unroute(args, kwargs, *routed)
-        return compute_output_spec(self._run_inner, inputs, *args, training=False, **kwargs)
+        try:
+            return compute_output_spec(self._run_inner, inputs, *args, training=False, **kwargs)
+        except Exception as error:
+            # NOTE [ Output specs at unknown dimensions ]
+            # Tracing the layers' calls at unknown dimensions fails for code
+            # that needs them concrete (RWKV7's `for t in range(T)` over the
+            # sequence), though such a layer gives its spec by its own
+            # `compute_output_spec`/`compute_output_shape`, as the model it is
+            # in was built with. Those are asked, layer by layer, instead.
+            try:
+                return self._layers_output_spec(inputs, args, kwargs)
+            except Exception:
+                raise error from None
+
+    def _layers_output_spec(
+        self, inputs: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """The wrapped layers' own output specs, chained (what a Functional model asks)."""
+        first = self.inner[0]
+        outputs = first.compute_output_spec(inputs, *args, **kwargs)
+        for layer in self.inner[1:]:
+            outputs = layer.compute_output_spec(outputs)
+        return outputs
 
     def compute_output_shape(self, input_shape: Any, *args: Any, **kwargs: Any) -> Any:
         if self._single:
