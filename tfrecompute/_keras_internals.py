@@ -39,6 +39,7 @@ __all__ = [
     "eager_function_def",
     "forward_accumulator_active",
     "functional_inputs",
+    "functional_model",
     "functional_nodes",
     "functional_outputs",
     "get_keras_mask",
@@ -52,6 +53,7 @@ __all__ = [
     "is_functional",
     "keras_history_operation",
     "op_callback",
+    "outside_strategy_scope",
     "own_variables",
     "record_operation",
     "recording_calls",
@@ -310,6 +312,69 @@ def keras_history_operation(tensor: Any) -> Any:
     """The layer or operation that produced a symbolic tensor, or None."""
     history = getattr(tensor, "_keras_history", None)
     return None if history is None else history.operation
+
+
+def functional_model(inputs: Any, outputs: Any, *, name: str) -> keras.Model:
+    """`keras.Model(inputs, outputs)`, also when two of its layers share a name.
+
+    Keras requires the operation names of a Functional model to be unique, for
+    its serialization. A model rebuilt from a larger one's layers (CLIP's two
+    encoders each have a layer 'embedding') is never serialized, so the
+    duplicates get distinct names while it is built and their own back after.
+    Variable paths are fixed when variables are made and do not change.
+    """
+    operations: dict[int, Any] = {}
+    pending = [t for t in keras.tree.flatten(outputs) if hasattr(t, "_keras_history")]
+    seen: set[int] = set()
+    while pending:
+        tensor = pending.pop()
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        history = tensor._keras_history
+        operations.setdefault(id(history.operation), history.operation)
+        node = history.operation._inbound_nodes[history.node_index]
+        pending.extend(node.input_tensors)
+    counts: dict[str, int] = {}
+    renamed: list[tuple[Any, str]] = []
+    for operation in operations.values():
+        counts[operation.name] = counts.get(operation.name, 0) + 1
+        if counts[operation.name] > 1:
+            renamed.append((operation, operation.name))
+            operation.name = f"{operation.name}__{counts[operation.name]}"
+    try:
+        return keras.Model(inputs, outputs, name=name)
+    finally:
+        for operation, original in renamed:
+            operation.name = original
+
+
+@contextlib.contextmanager
+def outside_strategy_scope() -> Iterator[None]:
+    """Runs the body as outside any `tf.distribute` strategy's scope (no-op outside one).
+
+    NOTE [ Tracing costs inside a strategy's scope ]
+    Inside `strategy.scope()` the thread is in the strategy's cross-replica
+    context, where a mirrored variable has no single `handle`: the gradient
+    that the cost tracer takes of a layer's call with respect to its weights
+    fails ("DistributedVariable.handle is not available outside the replica
+    context"). Outside the scope the same variable reads as its first
+    replica's value, which is all a trace of shapes and ops needs. TensorFlow
+    keeps the scope on a per-graph stack (`_distribution_strategy_stack`,
+    copied into each function graph made while it is set), with no public
+    way to step out of it.
+    """
+    graph = tf.compat.v1.get_default_graph()
+    stack = getattr(graph, "_distribution_strategy_stack", None)
+    if not stack:
+        yield
+        return
+    saved = list(stack)
+    stack.clear()
+    try:
+        yield
+    finally:
+        stack[:] = saved
 
 
 def inbound_nodes(layer: Any) -> list[Any]:

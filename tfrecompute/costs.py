@@ -20,6 +20,7 @@ import keras
 import tensorflow as tf
 
 from tfrecompute import strategies
+from tfrecompute._keras_internals import outside_strategy_scope
 from tfrecompute._messages import as_bool, as_count, as_positive_int, fail
 from tfrecompute.call_costs import CallMemory, call_memory
 from tfrecompute.expand import Selection, expand, selected, selection
@@ -200,7 +201,9 @@ def traced_graph(
     checked = check_batch_size(api, batch_size)
     depth = None if depth is None else as_count(api, "depth", depth)
     chosen = selection(api, where)
-    with suspended(model):  # the model as defined (NOTE [ A checkpointed model is the model ])
+    # the model as defined (NOTE [ A checkpointed model is the model ]), traced
+    # outside a strategy's scope (NOTE [ Tracing costs inside a strategy's scope ])
+    with suspended(model), outside_strategy_scope():
         root = trace_model(model, input_specs(api, model, sample, checked), api=api)
         graph = expand(model, root, depth=depth, where=chosen)
     graph.check_static_shapes(api)
@@ -252,7 +255,8 @@ def profile_graph(
     measure_time: bool = False,
 ) -> strategies.Chain:
     """`profile` on a traced graph; the chain's `source` is its `ProfiledModel`."""
-    with suspended(graph.model):  # measured as defined, not as checkpointed now
+    # measured as defined, not as checkpointed now, and outside a strategy's scope
+    with suspended(graph.model), outside_strategy_scope():
         return _profile_graph(
             graph, batch_size, optimizer, progress, where, policy, _Measuring(measure, measure_time)
         )

@@ -35,6 +35,7 @@ from tfrecompute._keras_internals import (
     call_has_mask_arg,
     call_has_training_arg,
     functional_inputs,
+    functional_model,
     functional_nodes,
     is_functional,
 )
@@ -180,7 +181,7 @@ def _rebuild(graph: LayerGraph, region: Region, placement: _Placement, name: str
     outputs = keras.tree.map_structure(lambda t: mapping[id(t)], region.structure)
     # A Sequential's graph starts at its inner functional inputs, not its own Input.
     inputs = functional_inputs(model)[0] if isinstance(model, keras.Sequential) else model.input
-    return keras.Model(inputs, outputs, name=name)
+    return functional_model(inputs, outputs, name=name)
 
 
 def _rewrite_sequential(graph: LayerGraph, placement: _Placement, name: str) -> keras.Sequential:
@@ -248,7 +249,7 @@ def _apply_block(
     for index in range(start, stop):
         _replay(graph.calls[index], inner)
     sub_outputs = [inner[key] for key in output_ids]
-    sub_model = keras.Model(
+    sub_model = functional_model(
         sub_inputs if len(sub_inputs) != 1 else sub_inputs[0],
         sub_outputs if len(sub_outputs) != 1 else sub_outputs[0],
         name=f"{name}_layers",
