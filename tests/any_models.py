@@ -277,6 +277,60 @@ def convnext_tiny() -> Any:
     return _application(keras.applications.ConvNeXtTiny)
 
 
+def clip(*, layers: int = 2, hidden: int = 32, sequence: int = 8, batch: int = 2) -> Any:
+    """Two towers; an embedding layer called on a weight (`position_ids`), not a tensor."""
+    common = dict(num_layers=layers, num_heads=2, hidden_dim=hidden, intermediate_dim=2 * hidden)
+    vision = keras_hub.models.CLIPVisionEncoder(
+        patch_size=8, image_shape=(16, 16, 3), intermediate_activation="quick_gelu", **common
+    )
+    text = keras_hub.models.CLIPTextEncoder(
+        vocabulary_size=100,
+        embedding_dim=hidden,
+        max_sequence_length=sequence,
+        intermediate_activation="quick_gelu",
+        **common,
+    )
+    model = keras_hub.models.CLIPBackbone(vision, text, projection_dim=16)
+    rng = np.random.default_rng(0)
+    x = {
+        "images": rng.random((batch, 16, 16, 3)).astype("float32"),
+        "token_ids": rng.integers(1, 100, (batch, sequence)).astype("int32"),
+    }
+    return model, (x, None)
+
+
+def rwkv7(*, layers: int = 2, hidden: int = 32, sequence: int = 8, batch: int = 2) -> Any:
+    """A recurrence over the sequence in Python (`for t in range(T)`): it traces only
+    at a known sequence length, though the model is built with an unknown one."""
+    model = keras_hub.models.RWKV7Backbone(
+        hidden_size=hidden,
+        head_size=16,
+        num_layers=layers,
+        vocabulary_size=100,
+        intermediate_dim=2 * hidden,
+        gate_lora=8,
+        mv_lora=8,
+        aaa_lora=8,
+        decay_lora=8,
+    )
+    return model, (_tokens(batch, sequence), None)
+
+
+def deit(*, layers: int = 2, hidden: int = 32, batch: int = 2) -> Any:
+    """An encoder holding its blocks that also returns empty placeholders it makes
+    from shapes; its blocks return `(y, None)`."""
+    model = keras_hub.models.DeiTBackbone(
+        image_shape=(16, 16, 3),
+        patch_size=8,
+        num_layers=layers,
+        num_heads=2,
+        hidden_dim=hidden,
+        intermediate_dim=2 * hidden,
+    )
+    x = np.random.default_rng(0).random((batch, 16, 16, 3)).astype("float32")
+    return model, (x, None)
+
+
 # More models, checked for exactness only (each costs seconds to plan).
 MORE_MODELS: dict[str, Callable[..., Any]] = {
     "albert": albert,
@@ -286,6 +340,9 @@ MORE_MODELS: dict[str, Callable[..., Any]] = {
     "masked_lstm": masked_lstm,
     "mobilenet_v3_small": mobilenet_v3_small,
     "convnext_tiny": convnext_tiny,
+    "clip": clip,
+    "rwkv7": rwkv7,
+    "deit": deit,
 }
 
 MODELS: dict[str, Callable[..., Any]] = {

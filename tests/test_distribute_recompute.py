@@ -1,0 +1,121 @@
+"""`tfrecompute.recompute` of models built inside a `MirroredStrategy`'s scope.
+
+The README's workflow: build and compile the model in `strategy.scope()`, then
+checkpoint it there. Each model is built twice in the scope from one seed; one is
+checkpointed (with every way of choosing a plan), both train on the same data, and
+they must end on the same variables on every replica. The strategy runs two replicas
+on the two logical CPUs of conftest.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import numpy as np
+import pytest
+
+import tfrecompute
+from tests import any_models
+from tests import multiworker_worker as worker
+
+
+@pytest.fixture(scope="module")
+def strategy():
+    return worker.mirrored_strategy(["CPU:0", "CPU:1"])
+
+
+def _functional() -> tuple[keras.Model, tuple[Any, Any]]:
+    inputs = keras.Input((16,))
+    h = inputs
+    for seed in range(6):
+        h = keras.layers.Dense(32, activation="relu")(h)
+        h = keras.layers.BatchNormalization(momentum=0.5)(h)
+        h = keras.layers.Dropout(0.2, seed=seed)(h)
+    model = keras.Model(inputs, keras.layers.Dense(3)(h))
+    rng = np.random.default_rng(0)
+    return model, (
+        rng.normal(size=(16, 16)).astype("float32"),
+        rng.normal(size=(16, 3)).astype("float32"),
+    )
+
+
+def _bert():
+    return any_models.bert(layers=2, hidden=32, sequence=8, batch=4)
+
+
+def _subclassed():
+    return any_models.loop_transformer(layers=2, hidden=32, sequence=8, batch=4)
+
+
+BUILDERS = {"functional": _functional, "bert": _bert, "subclassed": _subclassed}
+
+
+def _pair(strategy, name: str):
+    """(checkpointed-to-be, control): equal models built and compiled in the scope."""
+    models = []
+    with strategy.scope():
+        for _ in range(2):
+            keras.utils.set_random_seed(0)
+            model, (x, y) = BUILDERS[name]()
+            model(x)
+            model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.5), loss="mse")
+            models.append(model)
+    return models[0], models[1], x, y
+
+
+def _assert_trains_like_the_control(model, control, x, y):
+    initial = worker.replica_values(control)
+    for m in (model, control):
+        m.fit(x, y, batch_size=len(keras.tree.flatten(x)[0]) // 2, epochs=2, verbose=0)
+    got, want = worker.replica_values(model), worker.replica_values(control)
+    assert len(got) == len(want)
+    for variable, g, w in zip(control.variables, got, want):
+        np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5, err_msg=variable.path)
+    assert any(not np.allclose(a, b) for a, b in zip(want, initial))  # it trained
+
+
+def _blocks(model) -> int:
+    applied = tfrecompute.checkpoints(model)
+    return 0 if applied is None else len(applied.blocks)
+
+
+CHOICES = {
+    "sqrt": lambda m, x, y: tfrecompute.recompute(m, "sqrt", sample=x),
+    "uniform:2": lambda m, x, y: tfrecompute.recompute(m, "uniform:2", sample=x),
+    "default": lambda m, x, y: tfrecompute.recompute(m, sample=x),
+    "where": lambda m, x, y: tfrecompute.recompute(m, "sqrt", where=keras.layers.Dense, sample=x),
+    "plan": lambda m, x, y: tfrecompute.recompute(m, tfrecompute.plan(m, "sqrt", sample=x)),
+    # A budget storing everything fits: the measured plan is "none" (no block).
+    "verify": lambda m, x, y: tfrecompute.recompute(
+        m, sample=(x, y), budget="64MiB", verify=True, batch_size=len(x)
+    ),
+}
+
+
+@pytest.mark.parametrize("choice", list(CHOICES))
+def test_a_functional_model_checkpointed_in_the_scope_trains_like_the_control(strategy, choice):
+    model, control, x, y = _pair(strategy, "functional")
+    with strategy.scope():
+        assert CHOICES[choice](model, x, y) is model
+    assert _blocks(model) >= (0 if choice == "verify" else 1)
+    _assert_trains_like_the_control(model, control, x, y)
+
+
+@pytest.mark.parametrize("name", ["bert", "subclassed"])
+def test_other_kinds_checkpointed_in_the_scope_train_like_the_control(strategy, name):
+    model, control, x, y = _pair(strategy, name)
+    with strategy.scope():
+        tfrecompute.recompute(model, "sqrt", sample=x)
+    assert _blocks(model) >= 1
+    _assert_trains_like_the_control(model, control, x, y)
+
+
+def test_max_batch_size_in_the_scope(strategy):
+    model, _, x, y = _pair(strategy, "functional")
+    with strategy.scope():
+        found = tfrecompute.max_batch_size(
+            model, (x, y), budget="64MiB", multiple=16, limit=64, isolate=False
+        )
+    assert found.model is model
+    assert found.batch_size >= 16
