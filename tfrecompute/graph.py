@@ -65,8 +65,21 @@ def trainable_variables(operation: Any) -> list[Any]:
     A Functional model's nodes are layers or plain Keras operations: the
     `keras.ops` functions applied to symbolic tensors (`keras.ops.add(x, y)`,
     or the `not_equal` that computes an Embedding's padding mask).
+
+    Trainable as the optimizer sees them: a model trains every variable whose
+    own `trainable` is set, whatever the layers between say. keras-hub's
+    `enable_lora` freezes each transformer layer (`layer.trainable = False`,
+    so its `trainable_variables` is empty) and then unfreezes the adapted
+    projections inside it; their adapters train, and the layer's
+    activations are needed for their gradients.
     """
-    return list(getattr(operation, "trainable_variables", ()))
+    if not isinstance(operation, keras.layers.Layer):
+        return list(getattr(operation, "trainable_variables", ()))
+    found: dict[int, Any] = {}
+    for variable in operation.weights:
+        if variable.trainable:
+            found.setdefault(id(variable), variable)
+    return list(found.values())
 
 
 @dataclasses.dataclass
