@@ -303,6 +303,24 @@ def test_a_default_plan_that_saves_nothing_warns_and_names_the_link():
         tfrecompute.plan(model, batch_size=8)
 
 
+@pytest.mark.parametrize("strategy", ["sqrt", "uniform:1"])
+def test_a_named_strategy_that_saves_nothing_warns(strategy):
+    """Cut by link count, these plans recompute the two wide layers of a short chain
+    and predict a higher peak than storing everything."""
+    model = keras.Sequential(
+        [keras.Input((32,)), keras.layers.Dense(256, activation="relu"),
+         keras.layers.Dense(256, activation="relu"), keras.layers.Dense(4)]
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match=rf"plan '{strategy}' predicts a peak of .* not below "
+                      r"storing everything .* No plan predicts less"):  # fmt: skip
+        made = tfrecompute.plan(model, strategy, batch_size=64)
+    assert made.peak_bytes >= strategies.none(made.chain).peak_bytes
+    model, x, _ = _build("bert")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # a plan that lowers the peak: silent
+        tfrecompute.plan(model, "sqrt", sample=x)
+
+
 def test_weightless_preprocessing_is_never_put_in_a_block():
     model = keras.applications.EfficientNetB0(weights=None, input_shape=(32, 32, 3), classes=3)
     chain = tfrecompute.profile(model, batch_size=2)
