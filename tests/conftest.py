@@ -31,3 +31,22 @@ _cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(
     _cpu, [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()]
 )
+
+
+import gc  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def collect_garbage():
+    """Collects garbage after the test (`pytestmark = pytest.mark.usefixtures(...)`).
+
+    Tests that train many models under `MirroredStrategy` leave thousands of
+    traced functions behind. Left to Python's own collections, they went in one
+    late sweep whose functions' removals from TensorFlow's context took 200 to 300 s
+    of a single test (seen in tests/test_persistence.py, twice at the same place);
+    collected after each test they take seconds.
+    """
+    yield
+    gc.collect()

@@ -19,6 +19,8 @@ import tfrecompute
 from tests import any_models
 from tests import multiworker_worker as worker
 
+pytestmark = pytest.mark.usefixtures("collect_garbage")  # see tests/conftest.py
+
 
 @pytest.fixture(scope="module")
 def strategy():

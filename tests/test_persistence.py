@@ -39,6 +39,8 @@ from tests import multiworker_worker as worker
 from tests.helpers import applied_blocks, recomputed_blocks
 from tfrecompute import RecomputeBlock
 
+pytestmark = pytest.mark.usefixtures("collect_garbage")  # see tests/conftest.py
+
 WIDTH = 8
 RNG = np.random.default_rng(0)
 X = RNG.normal(size=(32, WIDTH)).astype("float32")

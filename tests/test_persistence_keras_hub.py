@@ -23,6 +23,8 @@ import tfrecompute
 from tests import multiworker_worker as worker
 from tests.helpers import applied_blocks, recomputed_blocks
 
+pytestmark = pytest.mark.usefixtures("collect_garbage")  # see tests/conftest.py
+
 RNG = np.random.default_rng(0)
 BATCH, SEQUENCE, VOCABULARY = 4, 8, 64
 
@@ -76,10 +78,8 @@ def bert_classifier() -> tuple[keras.Model, Any, Any, Any]:
     return model, x, y, loss
 
 
-# How each is checkpointed (default: the default plan). DeiT's encoder holds its blocks
-# but is not expanded yet, so the default plan places none: one block per link.
+# How each is checkpointed (default: the default plan).
 _OPTIONS: dict[str, dict[str, Any]] = {
-    "deit": {"strategy": "uniform:1"},
     "bert_classifier": {"strategy": "uniform:2"},
 }
 
