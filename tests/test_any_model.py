@@ -113,6 +113,25 @@ def test_more_models_train_like_the_original(name, mode):
     _assert_sqrt_trains_like_the_original(model, x, mode, rtol=MORE_RTOL.get(name, 1e-5), blocks=2)
 
 
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_mixed_precision_keeps_each_decoder_layer_a_link(policy):
+    """Each keras-hub decoder layer casts its half-precision input to float32 for its
+    first norm; the stack must stay one link per layer, and train as without blocks."""
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(policy)
+    try:
+        keras.utils.set_random_seed(0)
+        model, (x, _) = any_models.llama(layers=3)
+        model(x)
+        names = tfrecompute.profile(model, sample=x).names
+        assert [n for n in names if n.startswith("transformer_layer")] == [
+            f"transformer_layer_{i}" for i in range(3)
+        ]
+        _assert_sqrt_trains_like_the_original(model, x, "function", rtol=1e-3, blocks=2)
+    finally:
+        keras.config.set_dtype_policy(previous)
+
+
 @pytest.mark.parametrize("name", ["bert", "gpt2"])
 def test_a_backbone_keeps_its_unknown_dimensions(name):
     model, x, _ = _build(name)

@@ -54,6 +54,8 @@ class CallMemory:
         workspace_bytes: the largest other temporary its backward creates.
         reads_inputs: per tensor argument, whether its backward reads it.
         reads_outputs: per output, whether its backward reads it.
+        casts_inputs: per tensor argument, whether its backward reads a cast
+            of it (a layer computing in float32 on a bfloat16 input).
         opaque: whether reading the graph cannot see all the call allocates
             (NOTE [ Calls the graph does not show ]): then
             `tfrecompute.measured_costs` measures it.
@@ -64,6 +66,7 @@ class CallMemory:
     reads_inputs: tuple[bool, ...]
     reads_outputs: tuple[bool, ...]
     opaque: bool = False
+    casts_inputs: tuple[bool, ...] = ()
 
 
 @dataclasses.dataclass
@@ -125,7 +128,17 @@ def call_memory(
         reads_inputs=tuple(key in read for key in traced.inputs),
         reads_outputs=tuple(key in read for key in traced.outputs),
         opaque=any(_opaque(op) for op in traced.operations),
+        casts_inputs=tuple(key in _cast_sources(read) for key in traced.inputs),
     )
+
+
+def _cast_sources(read: dict[Any, tf.Tensor]) -> set[Any]:
+    """The buffers that a read tensor is a cast of (by reference)."""
+    return {
+        _buffer(tensor.op.inputs[0]).ref()
+        for tensor in read.values()
+        if tensor.op.type == "Cast" and tensor.op.inputs
+    }
 
 
 # Ops that run a function body the reading above does not look into.

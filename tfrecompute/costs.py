@@ -273,7 +273,7 @@ def _profile_graph(
 ) -> strategies.Chain:
     memories, seconds = _call_memories(graph, batch_size, progress, measuring)
     needed = _read_by_backward(graph, memories)
-    links = _links(graph, needed)
+    links = _links(graph, needed | _cast_for_backward(graph, memories))
     link_of = [0] * len(graph.calls)
     for link, (first, stop) in enumerate(links):
         link_of[first:stop] = [link] * (stop - first)
@@ -413,7 +413,15 @@ def _read_by_backward(graph: LayerGraph, memories: list[CallMemory]) -> set[int]
     return needed
 
 
-def _links(graph: LayerGraph, needed: set[int]) -> list[tuple[int, int]]:
+def _cast_for_backward(graph: LayerGraph, memories: list[CallMemory]) -> set[int]:
+    """Ids of the tensors a consumer casts and its backward reads the cast of."""
+    cast: set[int] = set()
+    for call, memory in zip(graph.calls, memories):
+        cast.update(id(t) for t, read in zip(call.tensor_args, memory.casts_inputs) if read)
+    return cast
+
+
+def _links(graph: LayerGraph, cut: set[int]) -> list[tuple[int, int]]:
     """NOTE [ Links of the chain ]
 
     A tensor that no backward reads (a BatchNormalization output feeding a
@@ -422,12 +430,19 @@ def _links(graph: LayerGraph, needed: set[int]) -> list[tuple[int, int]]:
     stores its inputs), so such a call is merged with the next one into one
     link. A link's saved bytes count each tensor that some backward reads
     once, at its producer, plus what its calls keep inside.
+
+    A tensor whose consumer casts it and keeps the cast for its backward is
+    no such tensor: keeping it instead of the cast costs no more. Under a
+    mixed precision policy each keras-hub decoder layer casts its bfloat16
+    input to float32 for its first norm, so that no layer output was read
+    by a backward and a Llama's whole stack merged into one link. Such
+    tensors (with the read ones: `cut`) end links.
     """
     links: list[tuple[int, int]] = []
     start = 0
     for index, call in enumerate(graph.calls):
         transient = all(
-            id(t) not in needed and not graph.tensors[id(t)].is_output for t in call.outputs
+            id(t) not in cut and not graph.tensors[id(t)].is_output for t in call.outputs
         )
         if not transient or index == len(graph.calls) - 1:
             links.append((start, index + 1))
