@@ -77,3 +77,13 @@ def test_bert_finetune(capsys):
     assert "BertTextClassifier saved with checkpointing, loaded into one built without: " in out
     loaded = float(out.split("largest weight difference ")[-1].split()[0])
     assert loaded == 0.0
+
+
+def test_lora_finetune(capsys):
+    args = ["--layers", "3", "--hidden", "32", "--sequence", "16", "--batch-size", "2"]
+    _load("lora_finetune").main([*args, "--steps", "2"])
+    out = capsys.readouterr().out
+    checkpointed = int(out.split(" of 3 frozen transformer layers checkpointed")[0].split()[-1])
+    assert checkpointed >= 2
+    assert "frozen weights moved 0.0\n" in out
+    assert "with and without checkpointing: 0.00e+00" in out
