@@ -20,6 +20,7 @@ from keras.src import backend as keras_backend
 from keras.src.backend.common import global_state
 from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 from keras.src.layers.layer import CallContext
+from keras.src.ops import function as keras_function
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import context, record
 from tensorflow.python.framework import op_callbacks
@@ -323,21 +324,11 @@ def functional_model(inputs: Any, outputs: Any, *, name: str) -> keras.Model:
     duplicates get distinct names while it is built and their own back after.
     Variable paths are fixed when variables are made and do not change.
     """
-    operations: dict[int, Any] = {}
-    pending = [t for t in keras.tree.flatten(outputs) if hasattr(t, "_keras_history")]
-    seen: set[int] = set()
-    while pending:
-        tensor = pending.pop()
-        if id(tensor) in seen:
-            continue
-        seen.add(id(tensor))
-        history = tensor._keras_history
-        operations.setdefault(id(history.operation), history.operation)
-        node = history.operation._inbound_nodes[history.node_index]
-        pending.extend(node.input_tensors)
+    # The operations Keras's own check walks (`keras.src.ops.function.map_graph`).
+    _, operations = keras_function._build_map(inputs, outputs)
     counts: dict[str, int] = {}
     renamed: list[tuple[Any, str]] = []
-    for operation in operations.values():
+    for operation in operations:
         counts[operation.name] = counts.get(operation.name, 0) + 1
         if counts[operation.name] > 1:
             renamed.append((operation, operation.name))
