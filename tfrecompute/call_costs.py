@@ -193,9 +193,7 @@ def _trace(layer: Any, args: Any, kwargs: Any, outputs: Any, batch_size: int) ->
         # A call may return another float dtype alone than the model recorded (a
         # tied embedding's reverse call under a mixed policy): its gradient has its own.
         pairs = [
-            (r, tf.cast(g, r.dtype) if g.dtype != r.dtype and g.dtype.is_floating else g)
-            for r, g in zip(results, output_grads)
-            if r.dtype.is_floating
+            (r, tf.cast(g, r.dtype)) for r, g in zip(results, output_grads) if r.dtype.is_floating
         ]
         sources = [v for v in inputs if v.dtype.is_floating] + trainable_variables(layer)
         if pairs and sources:

@@ -11,9 +11,10 @@ a plan without profiling the model again.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import keras
@@ -178,6 +179,15 @@ def check_model(api: str, model: Any) -> None:
              error=TypeError)  # fmt: skip
 
 
+@contextlib.contextmanager
+def _as_defined(model: keras.Model) -> Iterator[None]:
+    """Traces and profiles see `model` as it was defined (NOTE [ A checkpointed model is
+    the model ]), outside a strategy's scope (NOTE [ Tracing costs inside a strategy's
+    scope ])."""
+    with suspended(model), outside_strategy_scope():
+        yield
+
+
 def traced_graph(
     api: str,
     model: keras.Model,
@@ -201,9 +211,7 @@ def traced_graph(
     checked = check_batch_size(api, batch_size)
     depth = None if depth is None else as_count(api, "depth", depth)
     chosen = selection(api, where)
-    # the model as defined (NOTE [ A checkpointed model is the model ]), traced
-    # outside a strategy's scope (NOTE [ Tracing costs inside a strategy's scope ])
-    with suspended(model), outside_strategy_scope():
+    with _as_defined(model):
         root = trace_model(model, input_specs(api, model, sample, checked), api=api)
         graph = expand(model, root, depth=depth, where=chosen)
     graph.check_static_shapes(api)
@@ -255,8 +263,7 @@ def profile_graph(
     measure_time: bool = False,
 ) -> strategies.Chain:
     """`profile` on a traced graph; the chain's `source` is its `ProfiledModel`."""
-    # measured as defined, not as checkpointed now, and outside a strategy's scope
-    with suspended(graph.model), outside_strategy_scope():
+    with _as_defined(graph.model):
         return _profile_graph(
             graph, batch_size, optimizer, progress, where, policy, _Measuring(measure, measure_time)
         )

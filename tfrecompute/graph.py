@@ -75,11 +75,7 @@ def trainable_variables(operation: Any) -> list[Any]:
     """
     if not isinstance(operation, keras.layers.Layer):
         return list(getattr(operation, "trainable_variables", ()))
-    found: dict[int, Any] = {}
-    for variable in operation.weights:
-        if variable.trainable:
-            found.setdefault(id(variable), variable)
-    return list(found.values())
+    return [variable for variable in operation.weights if variable.trainable]
 
 
 @dataclasses.dataclass

@@ -32,8 +32,6 @@ import keras
 from tfrecompute import strategies
 from tfrecompute._keras_internals import (
     all_sublayers,
-    call_has_mask_arg,
-    call_has_training_arg,
     functional_inputs,
     functional_model,
     functional_nodes,
@@ -42,6 +40,7 @@ from tfrecompute._keras_internals import (
 from tfrecompute._messages import fail
 from tfrecompute.graph import Call, LayerGraph, Region, Unit, declared_input, declared_output
 from tfrecompute.layers import RecomputeBlock
+from tfrecompute.layers.block import apply_in_order
 from tfrecompute.layers.in_place import (
     Checkpoints,
     checkpoint_in_place,
@@ -342,12 +341,6 @@ def _holds_blocks(layer: Any) -> bool:
     return any(isinstance(sub, RecomputeBlock) for sub in all_sublayers(layer))
 
 
-def _with_training(layer: Any, training: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
-    if training is not None and call_has_training_arg(layer):
-        return {**kwargs, "training": training}
-    return kwargs
-
-
 def _plain_layers(layer: Any) -> list[Any]:
     """What `layer` is without blocks, as layers applied in order."""
     if isinstance(layer, RecomputeBlock):
@@ -364,13 +357,7 @@ def _unwrapped_node(node: Any, mapping: dict[int, Any]) -> None:
     operation = node.operation
     if isinstance(operation, RecomputeBlock):
         args, kwargs = operation.unrouted(args, kwargs)
-        training, mask = kwargs.pop("training", None), kwargs.pop("mask", None)
-        first, *rest = _plain_layers(operation)
-        if mask is not None and call_has_mask_arg(first):
-            kwargs["mask"] = mask
-        outputs = first(*args, **_with_training(first, training, kwargs))
-        for layer in rest:
-            outputs = layer(outputs, **_with_training(layer, training, {}))
+        outputs = apply_in_order(_plain_layers(operation), *args, **kwargs)
     elif isinstance(operation, keras.Model) and _holds_blocks(operation):
         outputs = unwrap(operation)(*args, **kwargs)
     else:

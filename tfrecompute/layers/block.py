@@ -35,7 +35,7 @@ from tfrecompute.layers.policy import (
 )
 from tfrecompute.layers.state import RecordingStatelessScope
 
-__all__ = ["RecomputeBlock"]
+__all__ = ["RecomputeBlock", "apply_in_order"]
 
 
 def _is_symbolic(structure: Any) -> bool:
@@ -189,6 +189,31 @@ def _track_for_tensorflow(block: keras.layers.Layer, inner: list[keras.layers.La
     """
     for index, layer in enumerate(inner):
         track_dependency(block, layer, f"inner_{index}")
+
+
+def apply_in_order(
+    layers: Sequence[keras.layers.Layer],
+    inputs: Any,
+    *args: Any,
+    training: Any = None,
+    mask: Any = None,
+    **kwargs: Any,
+) -> Any:
+    """Calls `layers` one after the other, as a block runs them: the first with the
+    call's arguments and mask, each with `training` where its call takes it."""
+    first = layers[0]
+    call_kwargs = dict(kwargs)
+    if mask is not None and call_has_mask_arg(first):
+        call_kwargs["mask"] = mask
+    if training is not None and call_has_training_arg(first):
+        call_kwargs["training"] = training
+    outputs = first(inputs, *args, **call_kwargs)
+    for layer in layers[1:]:
+        if training is not None and call_has_training_arg(layer):
+            outputs = layer(outputs, training=training)
+        else:
+            outputs = layer(outputs)
+    return outputs
 
 
 @keras.saving.register_keras_serializable(package="tfrecompute")
@@ -389,19 +414,7 @@ class RecomputeBlock(keras.layers.Layer):
         self, inputs: Any, *args: Any, training: Any = None, mask: Any = None, **kwargs: Any
     ) -> Any:
         """Applies the wrapped layers (no recompute)."""
-        first = self.inner[0]
-        call_kwargs = dict(kwargs)
-        if mask is not None and call_has_mask_arg(first):
-            call_kwargs["mask"] = mask
-        if training is not None and call_has_training_arg(first):
-            call_kwargs["training"] = training
-        outputs = first(inputs, *args, **call_kwargs)
-        for layer in self.inner[1:]:
-            if training is not None and call_has_training_arg(layer):
-                outputs = layer(outputs, training=training)
-            else:
-                outputs = layer(outputs)
-        return outputs
+        return apply_in_order(self.inner, inputs, *args, training=training, mask=mask, **kwargs)
 
     def call(
         self,
@@ -576,8 +589,8 @@ class RecomputeBlock(keras.layers.Layer):
         # Traced, not derived from compute_output_shape: the outputs have the
         # dtypes of the inner layers, not the block's own compute dtype.
         kwargs.pop("training", None)
-        routed = [kwargs.pop(name, None) for name in _ROUTED]
-        args, kwargs = _unroute(args, kwargs, *routed)
+        passed, kwargs = self.unrouted((inputs, *args), kwargs)
+        inputs, args = passed[0], passed[1:]
         try:
             return compute_output_spec(self._run_inner, inputs, *args, training=False, **kwargs)
         except Exception as error:

@@ -275,6 +275,11 @@ def _saved_changes(applied: Checkpoints) -> list[tuple[Any, _Change]]:
     return [(target, change) for target, change in found if change is not None]
 
 
+def _redo(saved: list[tuple[Any, _Change]]) -> None:
+    for target, change in saved:
+        _change_call(target, change.call, change.runs)
+
+
 @contextlib.contextmanager
 def restored_on_error(model: keras.Model) -> Iterator[None]:
     """Gives `model` back the checkpoints it had on entry if the body raises."""
@@ -284,8 +289,7 @@ def restored_on_error(model: keras.Model) -> Iterator[None]:
         yield
     except BaseException:
         remove(model)
-        for target, change in saved:
-            _change_call(target, change.call, change.runs)
+        _redo(saved)
         if applied is not None:
             record(model, applied)
         raise
@@ -304,5 +308,4 @@ def suspended(model: keras.Model) -> Iterator[None]:
     try:
         yield
     finally:
-        for target, change in saved:
-            _change_call(target, change.call, change.runs)
+        _redo(saved)
