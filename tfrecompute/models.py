@@ -63,10 +63,7 @@ def _resolve_plan(api: str, model: keras.Model, strategy: Any, options: dict[str
         graph, batch_of(graph), COMPILED, where=options["where"], policy=options.get("policy")
     )
     made = strategies.plan_within(api, chosen, chain, budget, options["headroom"])
-    if strategy is None:
-        _warn_if_it_saves_nothing(api, made)
-    else:
-        _warn_if_not_below_storing(api, made)
+    _warn_if_it_saves_nothing(api, made, named=strategy is not None)
     profiled = profiled_model(made.chain, model)
     assert profiled is not None  # strategies plan the chain they are given
     return made, profiled
@@ -127,51 +124,45 @@ def _default_strategy(where: Any) -> strategies.Strategy:
     return selected
 
 
-def _warn_if_it_saves_nothing(api: str, plan: strategies.Plan) -> None:
-    """Warns when no plan's predicted peak is below storing everything."""
-    chain = plan.chain
-    stored = strategies.none(chain).peak_bytes
-    if plan.peak_bytes < stored or strategies.min_peak(chain) < stored:
-        return
-    largest = max(range(chain.n), key=lambda i: chain.saved_bytes[i])
-    share = chain.saved_bytes[largest] / max(sum(chain.saved_bytes), 1)
-    warnings.warn(
-        f"{api}: no plan lowers this model's predicted peak below storing everything "
-        f"({strategies.format_size(stored)}). Link {chain.names[largest]!r} keeps "
-        f"{share:.0%} of the saved activations and cannot be split or recomputed here. "
-        "Look into it with depth= (or where= to pick its sub-layers), or leave the model "
-        "as it is.",
-        stacklevel=3,
-    )
+def _warn_if_it_saves_nothing(api: str, plan: strategies.Plan, *, named: bool) -> None:
+    """Warns when the plan's predicted peak is not below storing everything.
 
-
-def _warn_if_not_below_storing(api: str, plan: strategies.Plan) -> None:
-    """Warns when a named strategy's plan recomputes without lowering the predicted peak.
-
-    `sqrt` and `uniform` cut by link count, not by bytes: on a short chain (a
-    2-layer decoder) their segments can hold the largest activations anyway,
-    and the plan costs recompute for no memory (measured 1.04-1.08x the step
-    peak of storing everything on 2-layer Qwen3 and Phi3 backbones).
+    The default strategy reaches the least peak, so it warns only when no plan
+    beats storing everything, naming the link that holds most. A named
+    strategy (`sqrt`, `uniform`) cuts by link count, not by bytes: on a short
+    chain of wide layers its segments can hold the largest activations anyway,
+    and it warns when its plan recomputes for no predicted saving.
     """
     chain = plan.chain
     stored = strategies.none(chain).peak_bytes
-    if not plan.segments or plan.peak_bytes < stored:
+    if plan.peak_bytes < stored or (named and not plan.segments):
         return
-    best = strategies.optimal(chain)
-    fix = (
-        f"Drop the strategy name: the default strategy predicts "
-        f"{strategies.format_size(best.peak_bytes)}"
-        if best.peak_bytes < stored
-        else "No plan predicts less for this model: leave it as it is (strategy='none')"
-    )
-    warnings.warn(
-        f"{api}: plan {plan.strategy!r} predicts a peak of "
-        f"{strategies.format_size(plan.peak_bytes)}, not below storing everything "
-        f"({strategies.format_size(stored)}): it recomputes "
-        f"{plan.recompute_cost / max(chain.total_forward_cost, 1e-30):.0%} of a forward "
-        f"pass and saves no memory. {fix}.",
-        stacklevel=3,
-    )
+    least = strategies.min_peak(chain)
+    if named:
+        fix = (
+            f"Drop the strategy name: the default strategy predicts {strategies.format_size(least)}"
+            if least < stored
+            else "No plan predicts less for this model: leave it as it is (strategy='none')"
+        )
+        warnings.warn(
+            f"{api}: plan {plan.strategy!r} predicts a peak of "
+            f"{strategies.format_size(plan.peak_bytes)}, not below storing everything "
+            f"({strategies.format_size(stored)}): it recomputes "
+            f"{plan.recompute_cost / max(chain.total_forward_cost, 1e-30):.0%} of a forward "
+            f"pass and saves no memory. {fix}.",
+            stacklevel=3,
+        )
+    elif least >= stored:
+        largest = max(range(chain.n), key=lambda i: chain.saved_bytes[i])
+        share = chain.saved_bytes[largest] / max(sum(chain.saved_bytes), 1)
+        warnings.warn(
+            f"{api}: no plan lowers this model's predicted peak below storing everything "
+            f"({strategies.format_size(stored)}). Link {chain.names[largest]!r} keeps "
+            f"{share:.0%} of the saved activations and cannot be split or recomputed here. "
+            "Look into it with depth= (or where= to pick its sub-layers), or leave the model "
+            "as it is.",
+            stacklevel=3,
+        )
 
 
 def _profile_of_plan(
