@@ -13,7 +13,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 # Temporary files (saved models, checkpoints, weight files) go to memory where the
 # machine has a tmpfs: on these VMs the disk at times stalls writes for minutes (I/O
-# wait, no CPU), which made single persistence tests take 130 to 270 s instead of 10.
+# wait, no CPU), which held single persistence tests that long.
 def _roomy_tmpfs(path: str = "/dev/shm", needed: int = 4 << 30) -> bool:
     if not (os.path.isdir(path) and os.access(path, os.W_OK)):
         return False
@@ -44,9 +44,9 @@ def collect_garbage():
 
     Tests that train many models under `MirroredStrategy` leave thousands of
     traced functions behind. Left to Python's own collections, they went in one
-    late sweep whose functions' removals from TensorFlow's context took 200 to 300 s
-    of a single test (seen in tests/test_persistence.py, twice at the same place);
-    collected after each test they take seconds.
+    late sweep, removing each function from TensorFlow's context, that held a single
+    test of tests/test_persistence.py for minutes; collected after each test, the
+    sweeps stay small.
     """
     yield
     gc.collect()

@@ -310,3 +310,22 @@ def recomputed_blocks(model: Any, run: Callable[[], Any]) -> int:
         RecomputeBlock._recomputed_call = original
         load_state(model.variables, state)
     return sum(id(block) in seen for block in blocks)
+
+
+def model_runner(model: Any, structure: Any) -> Callable[..., Any]:
+    """`fn(*flat_inputs, training=None)` calling `model` on them packed as `structure`
+    (what `forward_and_grads` takes for a model with nested inputs)."""
+    import keras
+
+    def fn(*xs: Any, training: Any = None) -> Any:
+        return model(keras.tree.pack_sequence_as(structure, list(xs)), training=training)
+
+    return fn
+
+
+def assert_same_weights(got: Any, want: Any, atol: float = 1e-6) -> None:
+    """The two models' `get_weights()` agree in order, shapes and values (to `atol`)."""
+    got_weights, want_weights = got.get_weights(), want.get_weights()
+    assert [w.shape for w in got_weights] == [w.shape for w in want_weights]
+    for index, (a, b) in enumerate(zip(got_weights, want_weights)):
+        np.testing.assert_allclose(a, b, atol=atol, rtol=0, err_msg=f"weight {index}")

@@ -26,6 +26,7 @@ from tests.helpers import (
     as_defined,
     forward_and_grads,
     load_state,
+    model_runner,
     recomputed_blocks,
     save_state,
 )
@@ -42,24 +43,23 @@ def _build(name: str, **sizes):
     return model, x, y
 
 
-def _runner(model, structure):
-    def fn(*xs, training=None):
-        return model(keras.tree.pack_sequence_as(structure, list(xs)), training=training)
-
-    return fn
+def _per_tensor_errors(got, want):
+    """Each tensor's largest error over max(its own scale, 1e-2 of the largest) (GUIDE.md)."""
+    assert len(got) == len(want)
+    largest = max((float(np.max(np.abs(w))) for w in want if w.size), default=1.0)
+    errors = []
+    for index, (g, w) in enumerate(zip(got, want)):
+        assert g.shape == w.shape, index
+        if w.size:
+            scale = max(float(np.max(np.abs(w))), 1e-2 * largest, 1e-12)
+            errors.append((float(np.max(np.abs(g - w))) / scale, index))
+    return errors
 
 
 def assert_close_per_tensor(got, want, *, rtol=1e-5):
     """Each tensor within `rtol` of max(its own scale, 1e-2 of the largest) (GUIDE.md)."""
-    assert len(got) == len(want)
-    largest = max((float(np.max(np.abs(w))) for w in want if w.size), default=1.0)
-    for index, (g, w) in enumerate(zip(got, want)):
-        assert g.shape == w.shape, index
-        if not w.size:
-            continue
-        scale = max(float(np.max(np.abs(w))), 1e-2 * largest, 1e-12)
-        error = float(np.max(np.abs(g - w)))
-        assert error <= rtol * scale, f"tensor {index}: error {error:.3g}, scale {scale:.3g}"
+    for error, index in _per_tensor_errors(got, want):
+        assert error <= rtol, f"tensor {index}: relative error {error:.3g}"
 
 
 def _recomputing(model, x):
@@ -84,7 +84,7 @@ def _assert_sqrt_trains_like_the_original(model, x, mode, *, rtol=1e-5, blocks=1
     flat = [tf.convert_to_tensor(v) for v in keras.tree.flatten(x)]
     trainable, state = model.trainable_variables, model.non_trainable_variables
     initial = save_state(state)
-    want = forward_and_grads(_runner(model, x), flat, trainable, mode)
+    want = forward_and_grads(model_runner(model, x), flat, trainable, mode)
     want_state = save_state(state)
     load_state(state, initial)
     plan = tfrecompute.plan(model, "sqrt", sample=x)
@@ -92,7 +92,7 @@ def _assert_sqrt_trains_like_the_original(model, x, mode, *, rtol=1e-5, blocks=1
     assert tfrecompute.recompute(model, plan) is model
     assert _recomputing(model, x) >= blocks
     load_state(state, initial)
-    got = forward_and_grads(_runner(model, x), flat, trainable, mode)
+    got = forward_and_grads(model_runner(model, x), flat, trainable, mode)
     assert_close_per_tensor(got, want, rtol=rtol)
     assert_close_per_tensor(save_state(state), want_state)
 
@@ -132,16 +132,14 @@ def test_mixed_precision_keeps_each_decoder_layer_a_link(policy):
         keras.config.set_dtype_policy(previous)
 
 
-# bfloat16 keeps 8 bits: on this Gemma the model alone gives gradients 3.4% apart (of
-# each tensor's scale) eagerly and under tf.function, as TensorFlow fuses its ops
-# differently; recomputed against not, 2.0%.
-TIED_RTOL = {"float32": 1e-5, "mixed_bfloat16": 5e-2}
-
-
-@pytest.mark.parametrize("policy", list(TIED_RTOL))
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
 def test_a_tied_embedding_trains_and_saves(policy, tmp_path):
     """Gemma's token embedding is called twice (embedding, and reversed for the
-    logits, where under a mixed policy it computes in another dtype than recorded)."""
+    logits, where under a mixed policy it computes in another dtype than recorded).
+
+    bfloat16 keeps 8 bits, and TensorFlow fuses the model's ops differently eagerly
+    and under `tf.function`: the model alone gives other gradients in the two, by
+    percents. Recomputing may differ from the model by no more than 1.5 times that."""
     previous = keras.config.dtype_policy()
     keras.config.set_dtype_policy(policy)
     try:
@@ -153,7 +151,16 @@ def test_a_tied_embedding_trains_and_saves(policy, tmp_path):
         model = keras_hub.models.GemmaCausalLM(backbone, preprocessor=None)
         x = any_models._tokens(2, 8)
         model(x)
-        rtol = TIED_RTOL[policy]
+        rtol = 1e-5
+        if policy != "float32":
+            flat = [tf.convert_to_tensor(v) for v in keras.tree.flatten(x)]
+            runs = [
+                forward_and_grads(model_runner(model, x), flat, model.trainable_variables, mode)
+                for mode in MODES
+            ]
+            spread = max(error for error, _ in _per_tensor_errors(*runs))
+            assert spread < 0.1  # a comparison that can still fail
+            rtol = 1.5 * spread
         _assert_sqrt_trains_like_the_original(model, x, "function", rtol=rtol, blocks=2)
         model.save(tmp_path / "gemma.keras")
         loaded = keras.models.load_model(tmp_path / "gemma.keras")

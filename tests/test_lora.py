@@ -22,7 +22,7 @@ import tensorflow as tf
 
 import tfrecompute
 from tests import any_models
-from tests.helpers import MODES, forward_and_grads, recomputed_blocks, save_state
+from tests.helpers import MODES, forward_and_grads, model_runner, recomputed_blocks, save_state
 
 RANK = 2
 
@@ -84,13 +84,6 @@ def _recomputing(model: keras.Model, x: Any) -> int:
     return recomputed_blocks(model, run)
 
 
-def _runner(model: keras.Model, structure: Any) -> Any:
-    def fn(*xs: Any, training: Any = None) -> Any:
-        return model(keras.tree.pack_sequence_as(structure, list(xs)), training=training)
-
-    return fn
-
-
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("order", ["before", "after"], ids=["lora_first", "recompute_first"])
 @pytest.mark.parametrize("name", list(MODELS))
@@ -99,8 +92,8 @@ def test_adapter_gradients_equal_the_control(name, order, mode):
     control, _, _, _ = _build(name, order, checkpointed=False)
     assert _recomputing(model, x) >= 2  # the frozen transformer layers are checkpointed
     flat = [tf.convert_to_tensor(v) for v in keras.tree.flatten(x)]
-    got = forward_and_grads(_runner(model, x), flat, _adapters(model), mode)
-    want = forward_and_grads(_runner(control, x), flat, _adapters(control), mode)
+    got = forward_and_grads(model_runner(model, x), flat, _adapters(model), mode)
+    want = forward_and_grads(model_runner(control, x), flat, _adapters(control), mode)
     assert len(got) == len(want)
     for index, (g, w) in enumerate(zip(got, want)):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=str(index))

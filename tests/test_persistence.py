@@ -36,7 +36,7 @@ import tensorflow as tf
 
 import tfrecompute
 from tests import multiworker_worker as worker
-from tests.helpers import applied_blocks, recomputed_blocks
+from tests.helpers import applied_blocks, assert_same_weights, recomputed_blocks
 from tfrecompute import RecomputeBlock
 
 pytestmark = pytest.mark.usefixtures("collect_garbage")  # see tests/conftest.py
@@ -260,13 +260,6 @@ def _values(variables: list[Any]) -> list[np.ndarray]:
     return [np.array(v.numpy()) for v in variables]
 
 
-def _assert_same_weights(got: keras.Model, want: keras.Model, atol: float = 1e-6) -> None:
-    got_weights, want_weights = got.get_weights(), want.get_weights()
-    assert [w.shape for w in got_weights] == [w.shape for w in want_weights]
-    for index, (a, b) in enumerate(zip(got_weights, want_weights)):
-        np.testing.assert_allclose(a, b, atol=atol, rtol=0, err_msg=f"weight {index}")
-
-
 def _assert_same_optimizer(got: keras.Model, want: keras.Model, atol: float = 1e-6) -> None:
     got_values, want_values = _values(got.optimizer.variables), _values(want.optimizer.variables)
     assert len(got_values) == len(want_values)
@@ -284,7 +277,7 @@ def _seed_state(variable: Any) -> bool:
 def test_the_keras_file_loads_and_training_resumes_as_without_checkpointing(case, tmp_path):
     for model in (case.model, case.control):
         _fit(model, 2)
-    _assert_same_weights(case.model, case.control)
+    assert_same_weights(case.model, case.control)
     case.model.save(tmp_path / "model.keras")
     case.control.save(tmp_path / "control.keras")
     with case.scope():
@@ -296,11 +289,11 @@ def test_the_keras_file_loads_and_training_resumes_as_without_checkpointing(case
         assert not any(isinstance(layer, RecomputeBlock) for layer in loaded._flatten_layers())
         case.again(loaded)
     _assert_checkpointed(case, loaded)
-    _assert_same_weights(loaded, case.model)
+    assert_same_weights(loaded, case.model)
     _assert_same_optimizer(loaded, case.model)
     for model in (loaded, loaded_control):
         _fit(model, 1)
-    _assert_same_weights(loaded, loaded_control)
+    assert_same_weights(loaded, loaded_control)
     _assert_same_optimizer(loaded, loaded_control)
 
 
@@ -313,7 +306,7 @@ def test_weights_files_round_trip(plain_case, tmp_path):
     case.model.save_weights(tmp_path / "model.weights.h5")
     fresh = case.build(checkpointed=True)
     fresh.load_weights(tmp_path / "model.weights.h5")
-    _assert_same_weights(fresh, case.model)
+    assert_same_weights(fresh, case.model)
 
 
 def test_weights_move_between_the_model_and_its_control_both_ways(plain_case, tmp_path):
@@ -321,11 +314,11 @@ def test_weights_move_between_the_model_and_its_control_both_ways(plain_case, tm
     _fit(case.model, 1)
     case.plain(case.model).save_weights(tmp_path / "model.weights.h5")
     case.control.load_weights(tmp_path / "model.weights.h5")
-    _assert_same_weights(case.control, case.model)
+    assert_same_weights(case.control, case.model)
     _fit(case.control, 1)  # now the control moves, and its file loads into the model
     case.control.save_weights(tmp_path / "control.weights.h5")
     case.plain(case.model).load_weights(tmp_path / "control.weights.h5")
-    _assert_same_weights(case.model, case.control)
+    assert_same_weights(case.model, case.control)
     if case.recomputed:
         assert case.plain(case.model) is case.model  # the model's own file already is it
     else:  # hand-written blocks nest their layers' paths: a direct load fails loudly
@@ -447,7 +440,7 @@ def _assert_resumes(case: Case, tmp_path: Any, save_freq: Any) -> None:
     got = _resumed(case, checkpointed=True, folder=tmp_path / "model", save_freq=save_freq)
     want = _resumed(case, checkpointed=False, folder=tmp_path / "control", save_freq=save_freq)
     _assert_checkpointed(case, got)
-    _assert_same_weights(got, want)
+    assert_same_weights(got, want)
     assert any(
         not np.allclose(a, b) for a, b in zip(got.get_weights(), case.model.get_weights())
     )  # it trained
@@ -461,8 +454,8 @@ def test_model_checkpoint_writes_files_that_load(plain_case, tmp_path):
     with case.scope():
         loaded = keras.models.load_model(tmp_path / "model_2.keras")
         loaded_control = keras.models.load_model(tmp_path / "control_2.keras")
-    _assert_same_weights(loaded, case.model)
-    _assert_same_weights(loaded, loaded_control)
+    assert_same_weights(loaded, case.model)
+    assert_same_weights(loaded, loaded_control)
     np.testing.assert_allclose(loaded(X), loaded_control(X), atol=1e-6)
 
 
