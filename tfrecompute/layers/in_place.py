@@ -87,7 +87,7 @@ class Checkpoints:
 
 @dataclasses.dataclass
 class _Change:
-    """One changed `call`: what the instance held before, the new one, what it runs."""
+    """One changed attribute (`call`, or an attention layer's core): what it was, is, runs."""
 
     previous: Any
     call: Any
@@ -96,13 +96,17 @@ class _Change:
 
 # The records live on the objects they describe (set like `call`, untracked): a
 # global map would hold them, and through their closures the models, forever.
-_CHANGE = "_tfrecompute_call_change"
+_CHANGES = "_tfrecompute_changes"
 _APPLIED = "_tfrecompute_checkpoints"
 
 
-def _change_of(target: Any) -> _Change | None:
-    change = vars(target).get(_CHANGE)
-    return change if isinstance(change, _Change) else None
+def _changes_of(target: Any) -> dict[str, _Change]:
+    changes = vars(target).get(_CHANGES)
+    return changes if isinstance(changes, dict) else {}
+
+
+def _change_of(target: Any, attribute: str = "call") -> _Change | None:
+    return _changes_of(target).get(attribute)
 
 
 def _set_untracked(target: Any, name: str, value: Any) -> None:
@@ -150,23 +154,40 @@ class _InPlaceBlock(RecomputeBlock):
             return super()._run_inner(inputs, *args, **kwargs)
 
 
+def change_attribute(target: Any, attribute: str, value: Any, runs: Any) -> None:
+    """Sets `target.<attribute>` as an instance attribute that Keras and TensorFlow do not track.
+
+    Keras's `.keras` saving walks a layer's attributes but saves only layers,
+    variables and other Keras objects, never a plain function: `value` is one.
+    `runs` is what it runs (a block, a rebuilt model), recorded with it.
+    """
+    release(target, attribute)
+    changes = dict(_changes_of(target))
+    changes[attribute] = _Change(vars(target).get(attribute, _MISSING), value, runs)
+    _set_untracked(target, _CHANGES, changes)
+    object.__setattr__(target, attribute, value)
+
+
 def _change_call(target: Any, call: Any, runs: Any) -> None:
-    """Sets `target.call` (an instance attribute; Keras and TensorFlow track nothing)."""
-    _release(target)
-    _set_untracked(target, _CHANGE, _Change(vars(target).get("call", _MISSING), call, runs))
-    object.__setattr__(target, "call", call)
+    change_attribute(target, "call", call, runs)
+
+
+def release(target: Any, attribute: str | None = None) -> None:
+    """Gives `target` back what `change_attribute` replaced (every attribute if None)."""
+    changes = dict(_changes_of(target))
+    for name in list(changes) if attribute is None else [attribute]:
+        change = changes.pop(name, None)
+        if change is None:
+            continue
+        if change.previous is _MISSING:
+            object.__delattr__(target, name)
+        else:
+            object.__setattr__(target, name, change.previous)
+    _set_untracked(target, _CHANGES, changes or None)
 
 
 def _release(target: Any) -> None:
-    """Gives `target` back the `call` it had before `_change_call`."""
-    change = _change_of(target)
-    if change is None:
-        return
-    _set_untracked(target, _CHANGE, None)
-    if change.previous is _MISSING:
-        object.__delattr__(target, "call")
-    else:
-        object.__setattr__(target, "call", change.previous)
+    release(target, "call")
 
 
 def checkpointed_in_place(layer: Any) -> bool:
@@ -265,19 +286,22 @@ def remove(model: keras.Model) -> Checkpoints | None:
     _set_untracked(model, _APPLIED, None)
     if applied is not None:
         for target in reversed(applied.changed):
-            _release(target)
+            release(target)
         _drop_compiled_functions(model)
     return applied
 
 
-def _saved_changes(applied: Checkpoints) -> list[tuple[Any, _Change]]:
-    found = [(target, _change_of(target)) for target in applied.changed]
-    return [(target, change) for target, change in found if change is not None]
+def _saved_changes(applied: Checkpoints) -> list[tuple[Any, str, _Change]]:
+    return [
+        (target, attribute, change)
+        for target in applied.changed
+        for attribute, change in _changes_of(target).items()
+    ]
 
 
-def _redo(saved: list[tuple[Any, _Change]]) -> None:
-    for target, change in saved:
-        _change_call(target, change.call, change.runs)
+def _redo(saved: list[tuple[Any, str, _Change]]) -> None:
+    for target, attribute, change in saved:
+        change_attribute(target, attribute, change.call, change.runs)
 
 
 @contextlib.contextmanager
@@ -303,8 +327,8 @@ def suspended(model: keras.Model) -> Iterator[None]:
         yield
         return
     saved = _saved_changes(applied)
-    for target, _ in reversed(saved):
-        _release(target)
+    for target, attribute, _ in reversed(saved):
+        release(target, attribute)
     try:
         yield
     finally:
