@@ -15,7 +15,8 @@ installed they are absent from `__all__`, and using one raises the
 The modules follow the data path, each importing only those before it:
 `errors` and `_messages` (pure Python), `strategies/` (the planner),
 `startup` (`quiet_tensorflow`), `_keras_internals` (every private
-Keras/TensorFlow symbol), `layers/` (`RecomputeBlock`), `graph` (a model's
+Keras/TensorFlow symbol), `layers/` (`RecomputeBlock`, `checkpoint`,
+in-place and attention-core checkpoints), `graph` (a model's
 layer graph), `call_costs` and `costs` (`profile`: the graph's `Chain`),
 `rewrite` (a plan applied to a model, in the model itself; `unwrap`),
 `models` (`plan`, `recompute`), `measure` (`measure_step`, `trace_step`),
@@ -50,6 +51,7 @@ _TENSORFLOW_PARTS = (
     "StepTrace",
     "VerifiedPlan",
     "check_precision",
+    "checkpoint",
     "checkpoints",
     "max_batch_size",
     "measure_step",
@@ -79,6 +81,7 @@ def _import_tensorflow_parts() -> dict[str, Any]:
     from tfrecompute.costs import profile
     from tfrecompute.fit import VerifiedPlan, verified_plan
     from tfrecompute.layers import RecomputeBlock
+    from tfrecompute.layers.function import checkpoint
     from tfrecompute.layers.in_place import Checkpoints, checkpoints
     from tfrecompute.max_batch import BatchProbe, MaxBatch, max_batch_size
     from tfrecompute.measure import Allocation, StepMeasurement, StepTrace, measure_step, trace_step
@@ -89,6 +92,7 @@ def _import_tensorflow_parts() -> dict[str, Any]:
     return {
         "Allocation": Allocation,
         "Checkpoints": Checkpoints,
+        "checkpoint": checkpoint,
         "checkpoints": checkpoints,
         "unwrap": unwrap,
         "PrecisionFinding": PrecisionFinding,

@@ -237,6 +237,12 @@ def call_context(entry_layer: keras.layers.Layer, training: Any) -> Iterator[Non
         global_state.set_global_attribute("current_call_ctx", previous)
 
 
+def current_training() -> Any:
+    """The `training` value of the Keras layer call in progress (None outside any)."""
+    context = global_state.get_global_attribute("current_call_ctx")
+    return None if context is None else context.get_value("training")
+
+
 def backing_variable(variable: Any) -> Any:
     """The `tf.Variable` behind a Keras variable (what TensorFlow's tapes and watchers see)."""
     return getattr(variable, "_value", variable)

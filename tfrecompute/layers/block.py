@@ -30,6 +30,7 @@ from tfrecompute.layers.frame import RecomputeFrame, in_block_forward, is_float_
 from tfrecompute.layers.policy import (
     boundary,
     deserialize_policy,
+    policy_scope,
     resolve_policy,
     serialize_policy,
 )
@@ -253,7 +254,12 @@ class RecomputeBlock(keras.layers.Layer):
             recompute runs only the cheap ops between them. A function
             `policy(op: tfrecompute.layers.OpInfo) -> bool` decides per
             product (its kind, whether it takes a weight, its output shape
-            and dtype). Products a layer computes with TensorFlow directly
+            and dtype). "attention": the block recomputes nothing as a
+            whole; the attention core of every attention layer inside
+            (`keras.layers.MultiHeadAttention` and subclasses, keras-hub's
+            attention layers) keeps only its inputs and runs again in
+            backprop, everything else is kept (NOTE [ Attention core
+            recompute ] in `attention.py`). Products a layer computes with TensorFlow directly
             (`tf.linalg.matmul`) are not seen and are recomputed. Saved with
             the model as a name, or as a function registered with
             `keras.saving.register_keras_serializable`.
@@ -288,6 +294,8 @@ class RecomputeBlock(keras.layers.Layer):
     # forward (a weak reference; None: this block). A block no model tracks
     # (NOTE [ In-place checkpoints ]) hands them to the layer a model does.
     _loss_owner: Any = None
+    # The end of the error for a variable assigned inside that the block does not own.
+    _foreign_state_fix = "Or keep that layer out of the block"
 
     def __init__(
         self,
@@ -315,6 +323,7 @@ class RecomputeBlock(keras.layers.Layer):
         self.debug = debug
         self.policy = policy
         self._recompute_policy = resolved
+        self._policy_scope = policy_scope(policy)
         # The block hands masks to its first layer and attaches the masks its
         # layers compute to its outputs; each inner layer warns for itself
         # when it drops a mask.
@@ -445,6 +454,9 @@ class RecomputeBlock(keras.layers.Layer):
         _check_training(self.name, training)
         if not self._inner_built():
             self._build_inner_like(inputs, args, kwargs)
+        if self._policy_scope is not None:  # the layers run, inside it ("attention")
+            with self._policy_scope(self.inner):
+                return self._run_inner(inputs, *args, training=training, mask=mask, **kwargs)
         if not self._may_recompute(inputs, args, kwargs, training):
             return self._run_inner(inputs, *args, training=training, mask=mask, **kwargs)
         in_loop = in_control_flow_body()
@@ -542,9 +554,10 @@ class RecomputeBlock(keras.layers.Layer):
         assert forward.scope is not None
         self._commit_state(forward.scope, frame.state_variables)
         outputs, losses = frame.pack()
-        owner = self._loss_owner() if self._loss_owner is not None else self
-        for loss in losses:
-            owner.add_loss(loss)
+        if losses:
+            owner = self._loss_owner() if self._loss_owner is not None else self
+            for loss in losses:
+                owner.add_loss(loss)
         return outputs
 
     def _commit_state(self, scope: RecordingStatelessScope, state_variables: list[Any]) -> None:
@@ -562,7 +575,7 @@ class RecomputeBlock(keras.layers.Layer):
                 "recompute would not replay them (an unseeded `keras.random` call uses the "
                 "global seed generator this way). Give each random call a "
                 "`keras.random.SeedGenerator` created in the layer's __init__ "
-                "(`seed=self.seed_generator`), or keep that layer out of the block."
+                f"(`seed=self.seed_generator`). {self._foreign_state_fix}."
             )
         for variable in state_variables:
             if scope.changed(variable):
