@@ -47,6 +47,8 @@ ORDER = [
     "tfrecompute.layers.frame",
     "tfrecompute.layers.block",
     "tfrecompute.layers.in_place",
+    "tfrecompute.layers.function",
+    "tfrecompute.layers.attention",
     "tfrecompute.layers",
     "tfrecompute.graph",
     "tfrecompute.trace",

@@ -26,7 +26,8 @@ from tfrecompute.costs import (
     profiled_model,
     traced_graph,
 )
-from tfrecompute.layers.in_place import remove
+from tfrecompute.layers.attention import attention_layers, checkpoint_attention
+from tfrecompute.layers.in_place import Checkpoints, record, remove
 from tfrecompute.layers.policy import resolve_policy
 from tfrecompute.rewrite import apply, block_policies
 
@@ -165,6 +166,46 @@ def _warn_if_it_saves_nothing(api: str, plan: strategies.Plan, *, named: bool) -
         )
 
 
+def _refuse_planned_attention(api: str, strategy: Any, options: dict[str, Any]) -> None:
+    """`policy="attention"` is applied alone: the planner does not weigh it yet."""
+    given = {name: value for name, value in options.items() if value is not None}
+    given.pop("policy", None)
+    if strategy is not None:
+        given = {"strategy": strategy, **given}
+    if api == "plan" or given:
+        name, value = next(iter(given.items())) if given else ("policy", "attention")
+        fail(
+            api,
+            "policy='attention' checkpoints every attention core and nothing else; the "
+            "planner does not weigh it against the other states yet, so it takes no "
+            "strategy, budget or plan",
+            name,
+            value,
+            "Call tfrecompute.recompute(model, policy='attention') alone, or plan with "
+            "policy=None or 'dots'",
+        )
+
+
+def _attention_only(api: str, model: keras.Model) -> keras.Model:
+    """`recompute(model, policy="attention")`: the attention cores, nothing else."""
+    check_model(api, model)
+    found = attention_layers([model])
+    if not found:
+        fail(
+            api,
+            "policy='attention' found no attention layer with a `_compute_attention` method "
+            "in the model, so it would checkpoint nothing",
+            "model",
+            model,
+            "Use it on models with keras.layers.MultiHeadAttention or keras-hub attention "
+            "layers, checkpoint a custom core with tfrecompute.checkpoint, or use another policy",
+        )
+    remove(model)
+    blocks = tuple(checkpoint_attention(layer) for layer in found)
+    record(model, Checkpoints(None, None, blocks, tuple(found)))
+    return model
+
+
 def _profile_of_plan(
     api: str, model: keras.Model, plan: strategies.Plan, sample: Any, batch_size: Any
 ) -> ProfiledModel:
@@ -265,6 +306,8 @@ def plan(
         "policy": policy,
     }
     resolve_policy("plan", policy)
+    if policy == "attention":
+        _refuse_planned_attention("plan", strategy, {})
     chosen, _ = _resolve_plan("plan", model, strategy, options)
     return chosen
 
@@ -318,7 +361,11 @@ def recompute(
             a weight), or a function of a `tfrecompute.layers.OpInfo`. With
             `optimal` (the default) the planner weighs it per segment against
             recomputing whole (`Plan.selective`); with any other strategy
-            every block gets it.
+            every block gets it. "attention", alone (no strategy, budget or
+            plan): checkpoint exactly the attention core (scores, mask,
+            softmax, dropout, weighted sum) of every attention layer and
+            nothing else (Megatron-LM's selective recompute; NOTE
+            [ Attention core recompute ]); `checkpoints(model).plan` is None.
         verify: measure the plan instead of trusting a fixed headroom: with a
             `budget` and a labelled `sample=(x, y)`, run the compiled train
             step of the checkpointed model (`model` must be compiled), read
@@ -348,6 +395,9 @@ def recompute(
         "policy": policy,
     }
     resolve_policy("recompute", policy)
+    if policy == "attention":
+        _refuse_planned_attention("recompute", strategy, {**options, "verify": verify or None})
+        return _attention_only("recompute", model)
     if strategy == "none" and all(value is None for value in options.values()) and not verify:
         check_model("recompute", model)
         remove(model)  # storing everything: nothing to plan

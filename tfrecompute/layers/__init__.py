@@ -10,9 +10,13 @@
 * `tree`, `dtypes`: walking a tree of layers; a block's dtype checks.
 * `frame`: `RecomputeFrame`, the state of one recomputed call.
 * `block`: `RecomputeBlock`, the Keras layer.
+* `function`: `checkpoint(fn)`, a function recomputed through a block.
+* `in_place`: checkpoints applied where layers stand (a model stays what it is).
+* `attention`: the attention cores of layers, recomputed (`policy="attention"`).
 """
 
 from tfrecompute.errors import RecomputeMismatchError
+from tfrecompute.layers import attention  # noqa: F401  (registers policy="attention")
 from tfrecompute.layers.block import RecomputeBlock
 from tfrecompute.layers.debug import debug_enabled, set_debug
 from tfrecompute.layers.policy import OpInfo, dots, nothing

@@ -66,6 +66,8 @@ __all__ = [
     "dots",
     "nothing",
     "deserialize_policy",
+    "policy_scope",
+    "register_scope",
     "resolve_policy",
     "serialize_policy",
 ]
@@ -126,10 +128,29 @@ def dots(op: OpInfo) -> bool:
 
 _NAMED: dict[str, Policy] = {"nothing": nothing, "dots": dots}
 
+# Named policies that change how a block runs instead of which products its
+# forward keeps: name -> a context manager factory taking the block's layers,
+# inside which they run (registered by the module that implements each:
+# "attention", NOTE [ Attention core recompute ] in `attention.py`).
+_SCOPES: dict[str, Callable[[Any], Any]] = {}
+
+
+def register_scope(name: str, scope: Callable[[Any], Any]) -> None:
+    """Registers a named policy that runs a block's layers inside `scope(layers)`."""
+    _SCOPES[name] = scope
+
+
+def policy_scope(policy: Any) -> Callable[[Any], Any] | None:
+    """The scope of a named policy registered with `register_scope`; None for others."""
+    return _SCOPES.get(policy) if isinstance(policy, str) else None
+
 
 def resolve_policy(api: str, policy: Any) -> Policy | None:
-    """The function of `policy` (None, "nothing", "dots" or a callable); None for "nothing"."""
-    if policy is None:
+    """The function of `policy` (None, "nothing", "dots" or a callable); None for "nothing".
+
+    A scope policy ("attention") keeps no product itself: None too.
+    """
+    if policy is None or policy_scope(policy) is not None:
         return None
     if isinstance(policy, str):
         if policy not in _NAMED:
@@ -139,8 +160,8 @@ def resolve_policy(api: str, policy: Any) -> Policy | None:
                 "policy",
                 policy,
                 "Use None or 'nothing' (recompute everything), 'dots' (keep the products "
-                "with a weight), or a function taking a tfrecompute.layers.OpInfo and "
-                "returning a bool",
+                "with a weight), 'attention' (recompute only the attention cores), or a "
+                "function taking a tfrecompute.layers.OpInfo and returning a bool",
             )
         found = _NAMED[policy]
         if found is nothing:

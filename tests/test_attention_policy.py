@@ -1,0 +1,292 @@
+"""`policy="attention"`: every attention core recomputes, everything else is kept.
+
+Each behaviour is compared with the same layers without checkpointing
+(`as_defined`, or the layer itself), eagerly and under `tf.function`, with the
+seed and statistics state restored between the runs; and each test checks
+that the cores did run again in backprop.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import h5py
+import keras
+import keras_hub
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfrecompute
+from tests import any_models
+from tests import multiworker_worker as worker
+from tests.helpers import (
+    MODES,
+    applied_blocks,
+    as_defined,
+    assert_same_run,
+    assert_same_values,
+    forward_and_grads,
+    load_state,
+    model_runner,
+    normal,
+    recomputed_blocks,
+    save_state,
+)
+from tfrecompute.layers import RecomputeBlock
+
+pytestmark = pytest.mark.usefixtures("collect_garbage")
+
+
+class CountingAttention(keras.layers.MultiHeadAttention):
+    """Keras's attention, counting the runs of its core (traced runs under tf.function)."""
+
+    runs = 0
+
+    def _compute_attention(self, *args, **kwargs):
+        CountingAttention.runs += 1
+        return super()._compute_attention(*args, **kwargs)
+
+
+def _weights(tensor):
+    """Distinct weights per element, so a wrong gradient entry anywhere shows."""
+    count = tf.size(tensor)
+    return tf.sin(tf.reshape(tf.range(count, dtype=tensor.dtype), tf.shape(tensor)))
+
+
+def _attention_run(case, query, value):
+    mask = np.random.default_rng(0).random((2, query.shape[1], value.shape[1])) > 0.3
+    mask[..., 0] = True  # every query attends somewhere
+    options = {
+        "padding": {"attention_mask": tf.constant(mask)},
+        "causal": {"use_causal_mask": True},
+        "scores": {"attention_mask": tf.constant(mask), "return_attention_scores": True},
+    }[case]
+
+    def run(layer, variables):
+        with tf.GradientTape() as tape:
+            tape.watch([query, value])
+            outputs = layer(query, value, training=True, **options)
+            loss = tf.add_n([tf.reduce_sum(o * _weights(o)) for o in tf.nest.flatten(outputs)])
+        return outputs, tape.gradient(loss, [query, value, *variables])
+
+    return run
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", ["padding", "causal", "scores"])
+def test_a_block_recomputes_only_the_core_exactly(case, mode):
+    """Attention dropout 0.3: the recompute replays its mask."""
+    keras.utils.set_random_seed(0)
+    attention = CountingAttention(2, 8, dropout=0.3, seed=3)
+    query = normal((2, 5, 8))
+    value = query if case == "causal" else normal((2, 7, 8), seed=1)
+    attention(query, value)
+    block = RecomputeBlock(attention, policy="attention")
+    run = _attention_run(case, query, value)
+    CountingAttention.runs = 0
+    assert_same_run(
+        lambda layer: run(layer, attention.trainable_variables),
+        block,
+        attention,
+        mode,
+        state=attention.non_trainable_variables,
+    )
+    assert CountingAttention.runs == 3  # forward and recompute for the block, one unwrapped
+    assert "_compute_attention" not in vars(attention)  # only while the block runs
+
+
+def _products(layer, query):
+    """The matmuls of a traced training step: (projections, attention core), by op name."""
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(layer(x, x, training=True) ** 2)
+        return tape.gradient(loss, layer.trainable_variables)
+
+    graph = step.get_concrete_function(query).graph
+    names = [op.name for op in graph.get_operations() if op.type == "BatchMatMulV2"]
+    projections = ("/query", "/key", "/value", "/attention_output")
+    counts = collections.Counter(any(p in n for p in projections) for n in names)
+    return counts[True], counts[False]
+
+
+def test_the_backward_runs_no_projection_again():
+    """Counted in the traced step's graph: the core's two products run again, none of
+    the four projections does (a full recompute runs all six again)."""
+    keras.utils.set_random_seed(0)
+    attention = keras.layers.MultiHeadAttention(2, 8, dropout=0.1)
+    query = normal((2, 5, 8))
+    attention(query, query)
+    plain = _products(attention, query)
+    assert plain[0] == 4 + 8 and plain[1] == 2 + 4  # forward, then two VJP products each
+    assert _products(RecomputeBlock(attention, policy="attention"), query) == (12, 8)
+    assert _products(RecomputeBlock(attention), query) == (16, 8)
+
+
+# ------------------------------------------------------------ whole models
+
+
+def _gemma():
+    model = keras_hub.models.GemmaBackbone(
+        vocabulary_size=100,
+        num_layers=2,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=32,
+        intermediate_dim=64,
+        head_dim=16,
+        dropout=0.1,
+    )
+    tokens = np.random.default_rng(0).integers(1, 100, (2, 8)).astype("int32")
+    return model, ({"token_ids": tokens, "padding_mask": np.ones((2, 8), "int32")}, None)
+
+
+def _vit():
+    model = keras_hub.models.ViTBackbone(
+        image_shape=(32, 32, 3),
+        patch_size=8,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=32,
+        mlp_dim=64,
+        attention_dropout=0.1,
+    )
+    return model, (np.random.default_rng(0).normal(size=(2, 32, 32, 3)).astype("float32"), None)
+
+
+HUB = {
+    "bert": lambda: any_models.bert(layers=2, hidden=32, sequence=16, batch=2),
+    "gpt2": lambda: any_models.gpt2(layers=2, hidden=32, sequence=16, batch=2),
+    "llama": lambda: any_models.llama(layers=2),
+    "gemma": _gemma,
+    "vit": _vit,
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(HUB))
+def test_keras_hub_models_train_like_the_original(name, mode):
+    """BERT and GPT-2 (keras-hub's CachedMultiHeadAttention, attention dropout on), ViT
+    (Keras's own, attention dropout on), Llama and Gemma (their own cores, Gemma's
+    taking `training`): exactly one block per attention layer, each recomputing."""
+    keras.utils.set_random_seed(0)
+    model, (x, _) = HUB[name]()
+    model(x)
+    flat = [tf.convert_to_tensor(v) for v in keras.tree.flatten(x)]
+    trainable, state = model.trainable_variables, model.non_trainable_variables
+    initial = save_state(state)
+    want = forward_and_grads(model_runner(model, x), flat, trainable, mode)
+    want_state = save_state(state)
+    load_state(state, initial)
+    assert tfrecompute.recompute(model, policy="attention") is model
+    assert tfrecompute.checkpoints(model).plan is None
+    assert len(applied_blocks(model)) == 2
+
+    def training_call():
+        with tf.GradientTape():
+            model(x, training=True)
+
+    assert recomputed_blocks(model, training_call) == 2
+    got = forward_and_grads(model_runner(model, x), flat, trainable, mode)
+    assert_same_values(got, want, rtol=1e-5)
+    for got_value, want_value in zip(save_state(state), want_state):  # seeds advanced alike
+        np.testing.assert_array_equal(got_value, want_value)
+    tfrecompute.recompute(model, "none")
+    assert not any("_compute_attention" in vars(layer) for layer in model._flatten_layers())
+
+
+def _encoder(seed=0):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((8, 16))
+    x = inputs
+    for _ in range(2):
+        attended = keras.layers.MultiHeadAttention(2, 8, dropout=0.2)(x, x)
+        x = keras.layers.LayerNormalization()(x + keras.layers.Dropout(0.1)(attended))
+        x = keras.layers.LayerNormalization()(x + keras.layers.Dense(16, activation="gelu")(x))
+    return keras.Model(inputs, keras.layers.Dense(3)(keras.layers.GlobalAveragePooling1D()(x)))
+
+
+def _fit_alike(checkpointed, plain):
+    """Three epochs of AdamW from the same weights and seed; the weights must agree."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 8, 16)).astype("float32"), rng.normal(size=(16, 3))
+    plain.set_weights(checkpointed.get_weights())
+    trained = []
+    for model in (checkpointed, plain):
+        model.compile(optimizer=keras.optimizers.AdamW(1e-2, weight_decay=0.1), loss="mse")
+        keras.utils.set_random_seed(1)
+        model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
+        trained.append(model.get_weights())
+    for got, want in zip(*trained):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_fit_follows_the_plain_model():
+    checkpointed, plain = _encoder(), _encoder()
+    tfrecompute.recompute(checkpointed, policy="attention")
+    _fit_alike(checkpointed, plain)
+
+
+def test_fit_follows_the_plain_model_under_mirrored_strategy():
+    strategy = worker.mirrored_strategy(["CPU:0", "CPU:1"])
+    with strategy.scope():
+        checkpointed, plain = _encoder(), _encoder()
+        tfrecompute.recompute(checkpointed, policy="attention")
+        _fit_alike(checkpointed, plain)
+
+
+def test_saves_and_exchanges_weights_like_the_plain_model(tmp_path):
+    checkpointed, plain = _encoder(), _encoder(seed=1)
+    tfrecompute.recompute(checkpointed, policy="attention")
+    x = normal((2, 8, 16))
+    with tf.GradientTape():
+        checkpointed(x, training=True)  # the cores are made and cached on their layers
+    checkpointed.save_weights(tmp_path / "c.weights.h5")
+    plain.save_weights(tmp_path / "p.weights.h5")
+    keys = []
+    for path in ("c", "p"):
+        with h5py.File(tmp_path / f"{path}.weights.h5") as f:
+            found = []
+            f.visit(found.append)
+            keys.append(found)
+    assert keys[0] == keys[1]
+    plain.load_weights(tmp_path / "c.weights.h5")
+    assert_same_values(plain.get_weights(), checkpointed.get_weights())
+    tf.train.Checkpoint(model=checkpointed).write(str(tmp_path / "ckpt"))
+    control = _encoder(seed=2)
+    tf.train.Checkpoint(model=control).read(str(tmp_path / "ckpt")).assert_consumed()
+    assert_same_values(control.get_weights(), checkpointed.get_weights())
+    checkpointed.save(tmp_path / "c.keras")
+    loaded = keras.saving.load_model(tmp_path / "c.keras")
+    assert_same_values(loaded(x), as_defined(checkpointed)(x))
+    assert tfrecompute.checkpoints(loaded) is None
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_with_a_strategy_budget_or_plan_it_says_so():
+    model = _encoder()
+    match = r"policy='attention' checkpoints every attention core and nothing else"
+    with pytest.raises(ValueError, match=match + r".*Received: strategy='sqrt'"):
+        tfrecompute.recompute(model, "sqrt", policy="attention")
+    with pytest.raises(ValueError, match=match + r".*Received: budget='1MiB'"):
+        tfrecompute.recompute(model, budget="1MiB", policy="attention")
+    with pytest.raises(ValueError, match=match):
+        tfrecompute.plan(model, policy="attention")
+    assert tfrecompute.checkpoints(model) is None
+
+
+def test_a_model_without_attention_is_refused():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4)])
+    with pytest.raises(ValueError, match=r"found no attention layer with a `_compute_attention`"):
+        tfrecompute.recompute(model, policy="attention")
+
+
+def test_a_block_without_attention_warns():
+    block = RecomputeBlock(keras.layers.Dense(4), policy="attention")
+    with pytest.warns(UserWarning, match=r"no attention layer .* so nothing is recomputed"):
+        with tf.GradientTape():
+            block(normal((2, 4)), training=True)
