@@ -197,9 +197,9 @@ def test_keras_hub_models_train_like_the_original(name, mode):
     assert not any("_compute_attention" in vars(layer) for layer in model._flatten_layers())
 
 
-def _encoder(seed=0):
+def _encoder(seed=0, sequence=8):
     keras.utils.set_random_seed(seed)
-    inputs = keras.Input((8, 16))
+    inputs = keras.Input((sequence, 16))
     x = inputs
     for _ in range(2):
         attended = keras.layers.MultiHeadAttention(2, 8, dropout=0.2)(x, x)
@@ -264,19 +264,61 @@ def test_saves_and_exchanges_weights_like_the_plain_model(tmp_path):
     assert tfrecompute.checkpoints(loaded) is None
 
 
-# ---------------------------------------------------------------- errors
+# ------------------------------------------------------------ the planner's third state
 
 
-def test_with_a_strategy_budget_or_plan_it_says_so():
+def test_profile_prices_the_attention_state():
+    """Under "attention" a link with attention keeps less and recomputes its cores'
+    products; the forward estimate counts them too. Other links keep what they keep."""
     model = _encoder()
-    match = r"policy='attention' checkpoints every attention core and nothing else"
-    with pytest.raises(ValueError, match=match + r".*Received: strategy='sqrt'"):
-        tfrecompute.recompute(model, "sqrt", policy="attention")
-    with pytest.raises(ValueError, match=match + r".*Received: budget='1MiB'"):
-        tfrecompute.recompute(model, budget="1MiB", policy="attention")
-    with pytest.raises(ValueError, match=match):
-        tfrecompute.plan(model, policy="attention")
-    assert tfrecompute.checkpoints(model) is None
+    x = normal((4, 8, 16))
+    plain = tfrecompute.profile(model, sample=x)
+    chain = tfrecompute.profile(model, sample=x, policy="attention")
+    attention = [i for i, name in enumerate(chain.names) if "multi_head_attention" in name]
+    assert len(attention) == 2 and chain.names == plain.names
+    for i in range(chain.n):
+        if i in attention:
+            assert chain.policy_kept_bytes[i] < chain.saved_bytes[i]
+            cores = 2 * (2 * 4 * 2 * 8 * 8 * 8)  # QK^T and AV: 2 x elements x contraction
+            assert chain.policy_forward_cost[i] == cores
+            assert chain.forward_cost[i] == plain.forward_cost[i] + cores
+        else:
+            assert chain.policy_kept_bytes[i] == chain.saved_bytes[i] == plain.saved_bytes[i]
+            assert chain.policy_forward_cost[i] == 0
+    timed = tfrecompute.profile(model, sample=x, policy="attention", measure_time=True)
+    for i in attention:
+        assert 0 < timed.policy_forward_cost[i] < timed.forward_cost[i]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_budget_mixes_attention_cores_and_full_blocks(mode):
+    """`optimal` under a budget with the attention state: some segments keep all but
+    their cores, others recompute whole; training equals the model as defined."""
+    model = _encoder(sequence=64)
+    x = normal((4, 64, 16))
+    chain = tfrecompute.profile(model, sample=x, policy="attention")
+    mixed = [
+        p
+        for p in tfrecompute.strategies.frontier(chain)
+        if any(p.selective) and not all(p.selective)
+    ]
+    assert mixed
+    plan = tfrecompute.plan(
+        model, budget=mixed[0].peak_bytes, sample=x, headroom=0, policy="attention"
+    )
+    assert any(plan.selective) and not all(plan.selective)
+    tfrecompute.recompute(model, plan, policy="attention")
+    policies = {block.policy for block in applied_blocks(model)}
+    assert policies == {None, "attention"}
+    state, initial = model.non_trainable_variables, save_state(model.non_trainable_variables)
+    plain = as_defined(model)
+    want = forward_and_grads(plain, [x], model.trainable_variables, mode)
+    load_state(state, initial)
+    got = forward_and_grads(model, [x], model.trainable_variables, mode)
+    assert_same_values(got, want, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- errors
 
 
 def test_a_model_without_attention_is_refused():

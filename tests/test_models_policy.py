@@ -89,25 +89,26 @@ def test_recompute_applies_the_plans_selective_segments():
     _same_training(model, [ids], "function")
 
 
-def test_the_command_line_plans_with_a_policy(tmp_path, capsys):
+@pytest.mark.parametrize("policy", ["dots", "attention"])
+def test_the_command_line_plans_with_a_policy(policy, tmp_path, capsys):
     from tfrecompute.cli import main
 
     keras.utils.set_random_seed(0)
     model = models_zoo.transformer_encoder(layers=2, sequence=32, hidden=16, heads=2)
     path = str(tmp_path / "encoder.keras")
     model.save(path)
-    assert main(["frontier", path, "--batch-size", "8", "--policy", "dots"]) == 0
+    assert main(["frontier", path, "--batch-size", "8", "--policy", policy]) == 0
     out = capsys.readouterr().out
     header = next(line for line in out.splitlines() if line.split()[:1] == ["peak"])
     assert header.split()[-1] == "selective"
     rows = out.split(header)[1].strip().splitlines()
-    assert any(row.split()[-1] != "0" for row in rows if row[:1].isdigit())
-    assert main(["profile", path, "--batch-size", "8", "--policy", "dots"]) == 0
+    assert any(row.split()[-1] != "0" for row in rows if row.strip()[:1].isdigit())
+    assert main(["profile", path, "--batch-size", "8", "--policy", policy]) == 0
     assert "Under the policy the links keep" in capsys.readouterr().out
-    chain = tfrecompute.profile(model, batch_size=8, policy="dots")
+    chain = tfrecompute.profile(model, batch_size=8, policy=policy)
     selective = next(p for p in tfrecompute.strategies.frontier(chain) if any(p.selective))
     budget = str(int(selective.peak_bytes / 0.7) + 1)
-    assert main(["plan", path, "--batch-size", "8", "--policy", "dots", "--budget", budget]) == 0
+    assert main(["plan", path, "--batch-size", "8", "--policy", policy, "--budget", budget]) == 0
     assert "selective" in capsys.readouterr().out
 
 

@@ -200,9 +200,10 @@ def _model_options(sub: argparse.ArgumentParser) -> None:
     )
     sub.add_argument(
         "--policy",
-        choices=("nothing", "dots"),
+        choices=("nothing", "dots", "attention"),
         help='plan with a recompute policy: "dots" lets a segment keep its weight products '
-        "and recompute the rest (a third state per segment, shown as 'selective')",
+        'and recompute the rest, "attention" keep all but its attention cores (a third '
+        "state per segment, shown as 'selective')",
     )
     sub.add_argument(
         "-v",
@@ -603,7 +604,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         kept = chain.policy_kept_bytes
         again = _cost(math.fsum(chain.policy_forward_cost), args.measure_time)
         print(
-            f"Under the policy the links keep {fmt(sum(kept))} of products in total and "
+            f"Under the policy the links keep {fmt(sum(kept))} in total and "
             f"recompute for {again}{'' if args.measure_time else 'FLOPs'}"
         )
     if any(chain.kept_grad_bytes):

@@ -28,9 +28,9 @@ from tfrecompute.expand import Selection, expand, selected, selection
 from tfrecompute.graph import Call, LayerGraph, tensor_bytes, trainable_variables
 from tfrecompute.layers import RecomputeBlock
 from tfrecompute.layers.in_place import suspended
-from tfrecompute.layers.policy import resolve_policy
+from tfrecompute.layers.policy import policy_scope, resolve_policy
 from tfrecompute.measured_costs import corrected, measure_call
-from tfrecompute.policy_costs import policy_link_costs
+from tfrecompute.policy_costs import kept_products, policy_link_costs
 from tfrecompute.trace import input_specs, trace_model
 
 __all__ = [
@@ -291,24 +291,13 @@ def _profile_graph(
     weights = _weight_gradients(graph, link_of, len(links), keep_all=keep_all)
     skips = _carries(graph, link_of, len(links), sizes)
     per_link = _link_costs(graph, links, _Reads(memories, needed, seconds), sizes, skips)
-    function = resolve_policy("profile", policy)
-    kept, cheaper = (
-        (None, None)
-        if function is None
-        else policy_link_costs(
-            graph,
-            links,
-            batch_size,
-            function,
-            [c.forward_cost for c in per_link],
-            [sum(_estimated_flops(graph.calls[i], batch_size) for i in range(*k)) for k in links],
-        )
-    )
+    third = _ThirdState(graph, links, batch_size, per_link, measuring.time)
+    forward, kept, cheaper = third.costs(policy, needed, sizes, skips, measuring)
     return strategies.Chain(
         sizes.of(graph.inputs),
         [c.output for c in per_link],
         [c.saved for c in per_link],
-        [c.forward_cost for c in per_link],
+        forward,
         workspace_bytes=[c.workspace for c in per_link],
         kept_grad_bytes=weights.per_link if keep_all else None,
         applied_grad_bytes=None if keep_all else weights.per_link,
@@ -323,6 +312,58 @@ def _profile_graph(
         policy_forward_cost=cheaper,
         source=ProfiledModel(graph, tuple(links), batch_size),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _ThirdState:
+    """What each link keeps and costs recomputed under a policy (`Chain.policy_*`)."""
+
+    graph: LayerGraph
+    links: list[tuple[int, int]]
+    batch_size: int
+    per_link: list[Any]
+    timed: bool  # forward costs are measured seconds, not estimated FLOPs
+
+    def costs(
+        self, policy: Any, needed: Any, sizes: Any, skips: Any, measuring: Any
+    ) -> tuple[list[float], list[int] | None, list[float] | None]:
+        """(forward cost, kept bytes, recompute cost under the policy) per link; the
+        last two None without a policy."""
+        graph, links, batch_size = self.graph, self.links, self.batch_size
+        forward = [c.forward_cost for c in self.per_link]
+        calls = [graph.calls[first:stop] for first, stop in links]
+        flops = [sum(_estimated_flops(c, batch_size) for c in link) for link in calls]
+        scope = policy_scope(policy)
+        if scope is None:
+            function = resolve_policy("profile", policy)
+            if function is None:
+                return forward, None, None
+            return forward, *policy_link_costs(graph, links, batch_size, function, forward, flops)
+        # NOTE [ The attention state ]
+        # A link under policy "attention" keeps what its calls keep with their
+        # attention cores checkpointed (traced again inside the policy's
+        # scope), and its recompute runs the cores again: the products that
+        # take no weight (`QK^T`, `AV`). The forward's FLOP estimate leaves
+        # those out, which would price a full recompute of an attention link
+        # at no more than its cores alone; so here each link's forward counts
+        # them too. In measured seconds (which include them), a core costs
+        # the link's time times the cores' share of its FLOPs.
+        with scope([graph.model]):
+            untimed = dataclasses.replace(measuring, time=False)
+            memories, _ = _call_memories(graph, batch_size, None, untimed)
+        scoped = _link_costs(graph, links, _Reads(memories, needed, None), sizes, skips)
+        no_weight = resolve_policy("profile", _takes_no_weight)
+        assert no_weight is not None
+        cores = [core for _, core in kept_products(graph, links, batch_size, no_weight)]
+        if self.timed:
+            cheaper = [t * c / (e + c) if c else 0.0 for t, e, c in zip(forward, flops, cores)]
+        else:
+            forward, cheaper = [f + c for f, c in zip(forward, cores)], cores
+        return forward, [c.saved for c in scoped], cheaper
+
+
+def _takes_no_weight(op: Any) -> bool:
+    return not op.weight
 
 
 # ------------------------------------------------------------------ phases

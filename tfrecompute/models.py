@@ -166,26 +166,6 @@ def _warn_if_it_saves_nothing(api: str, plan: strategies.Plan, *, named: bool) -
         )
 
 
-def _refuse_planned_attention(api: str, strategy: Any, options: dict[str, Any]) -> None:
-    """`policy="attention"` is applied alone: the planner does not weigh it yet."""
-    given = {name: value for name, value in options.items() if value is not None}
-    given.pop("policy", None)
-    if strategy is not None:
-        given = {"strategy": strategy, **given}
-    if api == "plan" or given:
-        name, value = next(iter(given.items())) if given else ("policy", "attention")
-        fail(
-            api,
-            "policy='attention' checkpoints every attention core and nothing else; the "
-            "planner does not weigh it against the other states yet, so it takes no "
-            "strategy, budget or plan",
-            name,
-            value,
-            "Call tfrecompute.recompute(model, policy='attention') alone, or plan with "
-            "policy=None or 'dots'",
-        )
-
-
 def _attention_only(api: str, model: keras.Model) -> keras.Model:
     """`recompute(model, policy="attention")`: the attention cores, nothing else."""
     check_model(api, model)
@@ -306,8 +286,6 @@ def plan(
         "policy": policy,
     }
     resolve_policy("plan", policy)
-    if policy == "attention":
-        _refuse_planned_attention("plan", strategy, {})
     chosen, _ = _resolve_plan("plan", model, strategy, options)
     return chosen
 
@@ -361,11 +339,13 @@ def recompute(
             a weight), or a function of a `tfrecompute.layers.OpInfo`. With
             `optimal` (the default) the planner weighs it per segment against
             recomputing whole (`Plan.selective`); with any other strategy
-            every block gets it. "attention", alone (no strategy, budget or
-            plan): checkpoint exactly the attention core (scores, mask,
-            softmax, dropout, weighted sum) of every attention layer and
-            nothing else (Megatron-LM's selective recompute; NOTE
-            [ Attention core recompute ]); `checkpoints(model).plan` is None.
+            every block gets it. "attention" alone (no strategy, budget,
+            sample or plan): checkpoint exactly the attention core (scores,
+            mask, softmax, dropout, weighted sum) of every attention layer
+            and nothing else (Megatron-LM's selective recompute; NOTE
+            [ Attention core recompute ]), `checkpoints(model).plan` is None;
+            with a strategy or budget, "attention" is the third state: a
+            selective segment keeps everything but its attention cores.
         verify: measure the plan instead of trusting a fixed headroom: with a
             `budget` and a labelled `sample=(x, y)`, run the compiled train
             step of the checkpointed model (`model` must be compiled), read
@@ -395,8 +375,8 @@ def recompute(
         "policy": policy,
     }
     resolve_policy("recompute", policy)
-    if policy == "attention":
-        _refuse_planned_attention("recompute", strategy, {**options, "verify": verify or None})
+    alone = [value for name, value in options.items() if name != "policy" and value is not None]
+    if policy == "attention" and strategy is None and not alone and not verify:
         return _attention_only("recompute", model)
     if strategy == "none" and all(value is None for value in options.values()) and not verify:
         check_model("recompute", model)

@@ -28,7 +28,7 @@ from tfrecompute._keras_internals import call_has_training_arg
 from tfrecompute.graph import Call, LayerGraph
 from tfrecompute.layers.policy import Policy, Recorder, active
 
-__all__ = ["policy_link_costs"]
+__all__ = ["kept_products", "policy_link_costs"]
 
 
 def _contraction(kind: str, args: Any) -> int:
@@ -103,6 +103,26 @@ def _call_products(call: Call, batch_size: int, policy: Policy) -> tuple[int, fl
     return found[-1].kept_bytes, found[-1].kept_flops
 
 
+def kept_products(
+    graph: LayerGraph, links: Sequence[tuple[int, int]], batch_size: int, policy: Policy
+) -> list[tuple[int, float]]:
+    """Per link, the (bytes, FLOPs) of the products `policy` keeps, traced once per
+    layer and input signature."""
+    cache: dict[tuple[Any, ...], tuple[int, float]] = {}
+    found = []
+    for first, stop in links:
+        link_bytes, link_flops = 0, 0.0
+        for call in graph.calls[first:stop]:
+            signature = tuple((tuple(t.shape), str(t.dtype)) for t in call.tensor_args)
+            key = (id(call.layer), signature)
+            if key not in cache:
+                cache[key] = _call_products(call, batch_size, policy)
+            link_bytes += cache[key][0]
+            link_flops += cache[key][1]
+        found.append((link_bytes, link_flops))
+    return found
+
+
 def policy_link_costs(
     graph: LayerGraph,
     links: Sequence[tuple[int, int]],
@@ -126,17 +146,9 @@ def policy_link_costs(
         forward_costs: each link's forward cost, as profiled.
         estimated_flops: each link's estimated forward FLOPs.
     """
-    cache: dict[tuple[Any, ...], tuple[int, float]] = {}
     kept, costs = [], []
-    for (first, stop), forward, flops in zip(links, forward_costs, estimated_flops):
-        link_bytes, link_flops = 0, 0.0
-        for call in graph.calls[first:stop]:
-            signature = tuple((tuple(t.shape), str(t.dtype)) for t in call.tensor_args)
-            key = (id(call.layer), signature)
-            if key not in cache:
-                cache[key] = _call_products(call, batch_size, policy)
-            link_bytes += cache[key][0]
-            link_flops += cache[key][1]
+    products = kept_products(graph, links, batch_size, policy)
+    for (link_bytes, link_flops), forward, flops in zip(products, forward_costs, estimated_flops):
         kept.append(link_bytes)
         costs.append(forward * max(0.0, 1.0 - link_flops / flops) if flops > 0 else forward)
     return kept, costs
