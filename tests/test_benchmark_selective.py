@@ -1,4 +1,4 @@
-"""`benchmarks/selective.py --smoke`: none, full, dots and a planned variant of two models."""
+"""`benchmarks/selective.py --smoke`: none, full, dots, attention and a planned variant."""
 
 from __future__ import annotations
 
@@ -7,18 +7,28 @@ from tests.helpers import run_benchmark_smoke
 
 def test_smoke_run_measures_every_variant_of_both_models(tmp_path):
     report, table = run_benchmark_smoke("selective", tmp_path)
-    variants = ["none", "full", "dots", "plan@0.45"]
-    assert set(report["sizes"]) == {"encoder", "cnn"}
-    assert {(r["model"], r["variant"]) for r in report["memory"]} == {
-        (m, v) for m in ("encoder", "cnn") for v in variants
+    variants = {
+        "encoder": ["none", "full", "dots", "attention", "plan@0.45", "attn@0.45"],
+        "bert": ["none", "full", "dots", "attention", "plan@0.45", "attn@0.45"],
+        "cnn": ["none", "full", "dots", "plan@0.45"],  # no attention to recompute
     }
-    planned = [r for r in report["memory"] if r["variant"].startswith("plan@")]
+    assert set(report["sizes"]) == set(variants)
+    assert {(r["model"], r["variant"]) for r in report["memory"]} == {
+        (m, v) for m, names in variants.items() for v in names
+    }
+    planned = [r for r in report["memory"] if "@" in r["variant"]]
     assert all(r["segments"] > 0 and r["predicted_bytes"] > 0 for r in planned)
     for timing in report["time"]:
-        assert timing["variants"] == variants
+        assert timing["variants"] == variants[timing["model"]]
         assert all(t > 0 for t in timing["cpu_seconds"] + timing["wall_seconds"])
         ops = timing["ops"]
         # "dots" keeps part of what the forward keeps and recomputes less.
         assert 0 < ops["dots_kept_bytes"] < ops["saved_bytes"]
         assert ops["dots_recompute_flops"] < ops["forward_flops"]
-    assert "| dots |" in table and "x CPU" in table
+        times = timing["op_times"]
+        if timing["model"] == "cnn":
+            assert times is None
+        else:  # the cores are part of the forward, the forward part of the step
+            assert times["attention_layers"] == 2
+            assert 0 < times["core_ms"] * 2 < times["forward_ms"] < times["step_ms"]
+    assert "| dots |" in table and "| attention |" in table and "x CPU" in table
