@@ -329,3 +329,24 @@ def assert_same_weights(got: Any, want: Any, atol: float = 1e-6) -> None:
     assert [w.shape for w in got_weights] == [w.shape for w in want_weights]
     for index, (a, b) in enumerate(zip(got_weights, want_weights)):
         np.testing.assert_allclose(a, b, atol=atol, rtol=0, err_msg=f"weight {index}")
+
+
+def assert_same_adamw_fit(models: Sequence[Any], x: Any, y: Any, *, epochs: int = 3) -> None:
+    """Models starting from equal weights end on equal weights after `fit` with AdamW.
+
+    Weight decay moves every weight a gradient reaches, so a gradient that is
+    None unwrapped but zero (or missing) checkpointed shows. Each model is
+    fitted from the same seed, without shuffling; the weights must have moved.
+    """
+    import keras
+
+    initial = models[0].get_weights()
+    trained = []
+    for model in models:
+        model.compile(optimizer=keras.optimizers.AdamW(1e-2, weight_decay=0.1), loss="mse")
+        keras.utils.set_random_seed(1)
+        model.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0)
+        trained.append(model.get_weights())
+    for index, (got, want) in enumerate(zip(*trained)):
+        np.testing.assert_allclose(got, want, atol=1e-5, err_msg=f"weight {index}")
+    assert any(not np.allclose(a, b) for a, b in zip(trained[0], initial))

@@ -24,6 +24,7 @@ from tests.helpers import (
     MODES,
     applied_blocks,
     as_defined,
+    assert_same_adamw_fit,
     assert_same_run,
     assert_same_values,
     forward_and_grads,
@@ -209,18 +210,10 @@ def _encoder(seed=0, sequence=8):
 
 
 def _fit_alike(checkpointed, plain):
-    """Three epochs of AdamW from the same weights and seed; the weights must agree."""
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(16, 8, 16)).astype("float32"), rng.normal(size=(16, 3))
     plain.set_weights(checkpointed.get_weights())
-    trained = []
-    for model in (checkpointed, plain):
-        model.compile(optimizer=keras.optimizers.AdamW(1e-2, weight_decay=0.1), loss="mse")
-        keras.utils.set_random_seed(1)
-        model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
-        trained.append(model.get_weights())
-    for got, want in zip(*trained):
-        np.testing.assert_allclose(got, want, atol=1e-5)
+    assert_same_adamw_fit([checkpointed, plain], x, y)
 
 
 def test_fit_follows_the_plain_model():

@@ -5,7 +5,7 @@ from __future__ import annotations
 from tests.helpers import run_benchmark_smoke
 
 
-def test_smoke_run_measures_every_variant_of_both_models(tmp_path):
+def test_smoke_run_measures_every_variant_of_every_model(tmp_path):
     report, table = run_benchmark_smoke("selective", tmp_path)
     variants = {
         "encoder": ["none", "full", "dots", "attention", "plan@0.45", "attn@0.45"],

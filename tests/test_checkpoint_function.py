@@ -17,6 +17,7 @@ import tfrecompute
 from tests import multiworker_worker as worker
 from tests.helpers import (
     MODES,
+    assert_same_adamw_fit,
     assert_same_run,
     assert_same_values,
     load_state,
@@ -171,20 +172,9 @@ def _attention_models():
 
 
 def _fit_alike(models):
-    """Both models after three epochs of AdamW (weight decay moves every weight a
-    gradient reaches), from the same seed."""
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(16, 6, 16)).astype("float32"), rng.normal(size=(16, 3))
-    initial = models[0].get_weights()
-    trained = []
-    for model in models:
-        model.compile(optimizer=keras.optimizers.AdamW(1e-2, weight_decay=0.1), loss="mse")
-        keras.utils.set_random_seed(1)
-        model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
-        trained.append(model.get_weights())
-    for got, want in zip(*trained):
-        np.testing.assert_allclose(got, want, atol=1e-5)
-    assert any(not np.allclose(a, b) for a, b in zip(trained[0], initial))
+    assert_same_adamw_fit(models, x, y)
 
 
 def test_a_decorated_method_trains_like_the_plain_method():
