@@ -21,12 +21,13 @@ import keras
 import tensorflow as tf
 
 from tfrecompute import strategies
-from tfrecompute._keras_internals import outside_strategy_scope
+from tfrecompute._keras_internals import all_sublayers, outside_strategy_scope
 from tfrecompute._messages import as_bool, as_count, as_positive_int, fail
 from tfrecompute.call_costs import CallMemory, call_memory
 from tfrecompute.expand import Selection, expand, selected, selection
 from tfrecompute.graph import Call, LayerGraph, tensor_bytes, trainable_variables
 from tfrecompute.layers import RecomputeBlock
+from tfrecompute.layers.attention import attention_layers
 from tfrecompute.layers.in_place import suspended
 from tfrecompute.layers.policy import policy_scope, resolve_policy
 from tfrecompute.measured_costs import corrected, measure_call
@@ -291,8 +292,22 @@ def _profile_graph(
     weights = _weight_gradients(graph, link_of, len(links), keep_all=keep_all)
     skips = _carries(graph, link_of, len(links), sizes)
     per_link = _link_costs(graph, links, _Reads(memories, needed, seconds), sizes, skips)
-    third = _ThirdState(graph, links, batch_size, per_link, measuring.time)
-    forward, kept, cheaper = third.costs(policy, needed, sizes, skips, measuring)
+    forward = [c.forward_cost for c in per_link]
+    kept = cheaper = None
+    scope = policy_scope(policy)
+    if scope is not None:  # NOTE [ The attention state ]
+        holds = _holds_attention(graph)
+        with scope([graph.model]):
+            untimed = dataclasses.replace(measuring, time=False)
+            again, _ = _call_memories(graph, batch_size, None, untimed, redo=holds, reuse=memories)
+        scoped = _link_costs(graph, links, _Reads(again, needed, None), sizes, skips)
+        kept = [c.saved for c in scoped]
+        forward, cheaper = _attention_costs(
+            graph, links, batch_size, forward, timed=measuring.time, holds_attention=holds
+        )
+    elif (function := resolve_policy("profile", policy)) is not None:
+        flops = _link_flops(graph, links, batch_size)
+        kept, cheaper = policy_link_costs(graph, links, batch_size, function, forward, flops)
     return strategies.Chain(
         sizes.of(graph.inputs),
         [c.output for c in per_link],
@@ -314,56 +329,57 @@ def _profile_graph(
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class _ThirdState:
-    """What each link keeps and costs recomputed under a policy (`Chain.policy_*`)."""
+def _link_flops(graph: LayerGraph, links: list[tuple[int, int]], batch_size: int) -> list[float]:
+    """Each link's estimated forward FLOPs."""
+    return [
+        sum(_estimated_flops(call, batch_size) for call in graph.calls[first:stop])
+        for first, stop in links
+    ]
 
-    graph: LayerGraph
-    links: list[tuple[int, int]]
-    batch_size: int
-    per_link: list[Any]
-    timed: bool  # forward costs are measured seconds, not estimated FLOPs
 
-    def costs(
-        self, policy: Any, needed: Any, sizes: Any, skips: Any, measuring: Any
-    ) -> tuple[list[float], list[int] | None, list[float] | None]:
-        """(forward cost, kept bytes, recompute cost under the policy) per link; the
-        last two None without a policy."""
-        graph, links, batch_size = self.graph, self.links, self.batch_size
-        forward = [c.forward_cost for c in self.per_link]
-        calls = [graph.calls[first:stop] for first, stop in links]
-        flops = [sum(_estimated_flops(c, batch_size) for c in link) for link in calls]
-        scope = policy_scope(policy)
-        if scope is None:
-            function = resolve_policy("profile", policy)
-            if function is None:
-                return forward, None, None
-            return forward, *policy_link_costs(graph, links, batch_size, function, forward, flops)
-        # NOTE [ The attention state ]
-        # A link under policy "attention" keeps what its calls keep with their
-        # attention cores checkpointed (traced again inside the policy's
-        # scope), and its recompute runs the cores again: the products that
-        # take no weight (`QK^T`, `AV`). The forward's FLOP estimate leaves
-        # those out, which would price a full recompute of an attention link
-        # at no more than its cores alone; so here each link's forward counts
-        # them too. In measured seconds (which include them), a core costs
-        # the link's time times the cores' share of its FLOPs.
-        with scope([graph.model]):
-            untimed = dataclasses.replace(measuring, time=False)
-            memories, _ = _call_memories(graph, batch_size, None, untimed)
-        scoped = _link_costs(graph, links, _Reads(memories, needed, None), sizes, skips)
-        no_weight = resolve_policy("profile", _takes_no_weight)
-        assert no_weight is not None
-        cores = [core for _, core in kept_products(graph, links, batch_size, no_weight)]
-        if self.timed:
-            cheaper = [t * c / (e + c) if c else 0.0 for t, e, c in zip(forward, flops, cores)]
-        else:
-            forward, cheaper = [f + c for f, c in zip(forward, cores)], cores
-        return forward, [c.saved for c in scoped], cheaper
+def _attention_costs(
+    graph: LayerGraph, links: list[tuple[int, int]], batch_size: int, forward: list[float], *,
+    timed: bool, holds_attention: Callable[[Call], bool],
+) -> tuple[list[float], list[float]]:  # fmt: skip
+    """(forward cost, recompute cost) per link in the attention state.
+
+    NOTE [ The attention state ]
+    A link under policy "attention" keeps what its calls keep with their
+    attention cores checkpointed (`_profile_graph` traces the calls that hold
+    an attention layer again inside the policy's scope), and its recompute
+    runs the cores again: the products without a weight (`QK^T`, `AV`) in
+    those calls. The forward's FLOP estimate leaves them out, which would
+    price a full recompute of an attention link at no more than its cores
+    alone; so each link's forward counts them too. In measured seconds (which
+    include them), the cores cost the link's time times their share of its
+    FLOPs.
+    """
+    no_weight = resolve_policy("profile", _takes_no_weight)
+    assert no_weight is not None
+    products = kept_products(graph, links, batch_size, no_weight, where=holds_attention)
+    cores = [flops for _, flops in products]
+    if timed:
+        estimates = _link_flops(graph, links, batch_size)
+        shares = [c / (e + c) if c else 0.0 for e, c in zip(estimates, cores)]
+        return forward, [t * share for t, share in zip(forward, shares)]
+    return [f + c for f, c in zip(forward, cores)], cores
 
 
 def _takes_no_weight(op: Any) -> bool:
     return not op.weight
+
+
+def _holds_attention(graph: LayerGraph) -> Callable[[Call], bool]:
+    """Whether a call's layer is or holds an attention layer (NOTE [ Attention core recompute ])."""
+    found = {id(layer) for layer in attention_layers([graph.model])}
+
+    def holds(call: Call) -> bool:
+        layer = call.layer
+        return isinstance(layer, keras.layers.Layer) and any(
+            id(sub) in found for sub in all_sublayers(layer)
+        )
+
+    return holds
 
 
 # ------------------------------------------------------------------ phases
@@ -376,15 +392,26 @@ class _Measuring:
 
 
 def _call_memories(
-    graph: LayerGraph, batch_size: int, progress: Progress | None, measuring: _Measuring
+    graph: LayerGraph,
+    batch_size: int,
+    progress: Progress | None,
+    measuring: _Measuring,
+    *,
+    redo: Callable[[Call], bool] | None = None,
+    reuse: Sequence[CallMemory] = (),
 ) -> tuple[list[CallMemory], list[float] | None]:
     """What each call keeps for its backward, traced (or measured) once per layer and input
-    signature; with `measuring.time`, each call's measured forward seconds too."""
+    signature; with `measuring.time`, each call's measured forward seconds too. With
+    `redo`, only the calls it selects are traced; the others' memories come from `reuse`."""
     cache: dict[tuple[Any, ...], tuple[CallMemory, float]] = {}
     memories, seconds = [], []
     for done, call in enumerate(graph.calls, start=1):
         signature = tuple((tuple(t.shape), str(t.dtype)) for t in call.tensor_args)
         key = (id(call.layer), signature)
+        if redo is not None and not redo(call):
+            memories.append(reuse[done - 1])
+            seconds.append(0.0)
+            continue
         if key not in cache:
             cache[key] = _measured(call, _call_memory(call, batch_size), batch_size, measuring)
         memories.append(cache[key][0])

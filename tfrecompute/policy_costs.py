@@ -18,7 +18,7 @@ position), so the difference is floored at zero.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
@@ -104,15 +104,22 @@ def _call_products(call: Call, batch_size: int, policy: Policy) -> tuple[int, fl
 
 
 def kept_products(
-    graph: LayerGraph, links: Sequence[tuple[int, int]], batch_size: int, policy: Policy
+    graph: LayerGraph,
+    links: Sequence[tuple[int, int]],
+    batch_size: int,
+    policy: Policy,
+    *,
+    where: Callable[[Call], bool] | None = None,
 ) -> list[tuple[int, float]]:
-    """Per link, the (bytes, FLOPs) of the products `policy` keeps, traced once per
-    layer and input signature."""
+    """Per link, the (bytes, FLOPs) of the products `policy` keeps in its calls (those
+    `where` selects), traced once per layer and input signature."""
     cache: dict[tuple[Any, ...], tuple[int, float]] = {}
     found = []
     for first, stop in links:
         link_bytes, link_flops = 0, 0.0
         for call in graph.calls[first:stop]:
+            if where is not None and not where(call):
+                continue
             signature = tuple((tuple(t.shape), str(t.dtype)) for t in call.tensor_args)
             key = (id(call.layer), signature)
             if key not in cache:
