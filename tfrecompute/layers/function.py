@@ -182,7 +182,7 @@ class Checkpointed:
         return bound
 
     @property
-    def block(self) -> RecomputeBlock:
+    def block(self) -> _FunctionBlock:
         """The block the function runs through (made on first use)."""
         if self._block is None:
             holders = reachable_state(self._fn)
@@ -193,9 +193,7 @@ class Checkpointed:
         return self._block
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        block = self.block
-        assert isinstance(block, _FunctionBlock)
-        return block.run(args, kwargs)
+        return self.block.run(args, kwargs)
 
 
 def _check_state(state: Any) -> list[Any]:

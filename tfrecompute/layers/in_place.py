@@ -105,10 +105,6 @@ def _changes_of(target: Any) -> dict[str, _Change]:
     return changes if isinstance(changes, dict) else {}
 
 
-def _change_of(target: Any, attribute: str = "call") -> _Change | None:
-    return _changes_of(target).get(attribute)
-
-
 def _set_untracked(target: Any, name: str, value: Any) -> None:
     if value is None:
         if name in vars(target):
@@ -168,10 +164,6 @@ def change_attribute(target: Any, attribute: str, value: Any, runs: Any) -> None
     object.__setattr__(target, attribute, value)
 
 
-def _change_call(target: Any, call: Any, runs: Any) -> None:
-    change_attribute(target, "call", call, runs)
-
-
 def release(target: Any, attribute: str | None = None) -> None:
     """Gives `target` back what `change_attribute` replaced (every attribute if None)."""
     changes = dict(_changes_of(target))
@@ -186,13 +178,9 @@ def release(target: Any, attribute: str | None = None) -> None:
     _set_untracked(target, _CHANGES, changes or None)
 
 
-def _release(target: Any) -> None:
-    release(target, "call")
-
-
 def checkpointed_in_place(layer: Any) -> bool:
     """Whether `checkpoint_in_place(layer)` applies to `layer` now."""
-    change = _change_of(layer)
+    change = _changes_of(layer).get("call")
     return change is not None and isinstance(change.runs, _InPlaceBlock)
 
 
@@ -209,7 +197,7 @@ def checkpoint_in_place(layer: keras.layers.Layer, *, policy: Any = None) -> Rec
     Returns:
         The untracked block that the layer's calls now run through.
     """
-    _release(layer)
+    release(layer, "call")
     block = _InPlaceBlock(layer, policy=policy, name=f"{layer.name}_in_place")
     object.__setattr__(block, "_loss_owner", weakref.ref(layer))
     original = layer.call
@@ -220,7 +208,7 @@ def checkpoint_in_place(layer: keras.layers.Layer, *, policy: Any = None) -> Rec
             return original(*args, **kwargs)
         return block(*args, **kwargs)
 
-    _change_call(layer, call, block)
+    change_attribute(layer, "call", call, block)
     return block
 
 
@@ -234,7 +222,7 @@ def route_call(
     made inside `blocks` (the blocks placed in `replacement`) go to `model`.
     Routing again replaces the previous replacement.
     """
-    _release(model)
+    release(model, "call")
     for block in blocks:
         holder = _loss_holder(block)
         if holder is not None:
@@ -245,7 +233,7 @@ def route_call(
     def call(inputs: Any, *args: Any, **kwargs: Any) -> Any:
         return replacement(inputs, *args, **kwargs)
 
-    _change_call(model, call, replacement)
+    change_attribute(model, "call", call, replacement)
 
 
 def _loss_holder(block: RecomputeBlock) -> keras.layers.Layer | None:
