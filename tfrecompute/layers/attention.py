@@ -3,9 +3,11 @@
 NOTE [ Attention core recompute ]
 Megatron-LM's selective recompute (Korthikanti et al. 2022): attention's
 s²-sized tensors (the scores, the softmax, the dropout mask and the dropped
-probabilities) are much of a transformer's activation memory and little of
-its compute at training shapes, so it keeps everything but them and
-recomputes only the attention core. Keras's `MultiHeadAttention` and its
+probabilities) are much of a transformer's activation memory, and at the
+widths it trains little of its compute, so it keeps everything but them and
+recomputes only the attention core. At small widths and long sequences the
+core is a large share of the time (benchmarks/results/selective.md: 54% of
+the forward's CPU time at hidden 256, sequence 512). Keras's `MultiHeadAttention` and its
 subclasses (keras-hub's `CachedMultiHeadAttention` in BERT, GPT-2,
 RoBERTa..., the attention of ViT, DeiT and CLIP) compute the core in
 `_compute_attention(query, key, value, attention_mask, training, ...)`,
