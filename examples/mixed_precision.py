@@ -22,7 +22,7 @@ tfrecompute.quiet_tensorflow(verbose="--verbose" in sys.argv)
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tfrecompute.precision import check_precision  # noqa: E402
+from tfrecompute.check.precision import check_precision  # noqa: E402
 
 
 def build(*, depth: int, width: int, fixed: bool) -> keras.Model:

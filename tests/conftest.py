@@ -45,7 +45,7 @@ def collect_garbage():
     Tests that train many models under `MirroredStrategy` leave thousands of
     traced functions behind. Left to Python's own collections, they went in one
     late sweep, removing each function from TensorFlow's context, that held a single
-    test of tests/test_persistence.py for minutes; collected after each test, the
+    test of tests/rewrite/test_persistence.py for minutes; collected after each test, the
     sweeps stay small.
     """
     yield

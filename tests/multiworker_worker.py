@@ -1,7 +1,7 @@
-"""One worker of the multi-worker tests (tests/test_multiworker.py).
+"""One worker of the multi-worker tests (tests/layers/test_multiworker.py).
 
 Run as a script with TF_CONFIG set, it creates a `MultiWorkerMirroredStrategy`
-and trains; `tests/test_multiworker.py` starts two of them on 127.0.0.1. The
+and trains; `tests/layers/test_multiworker.py` starts two of them on 127.0.0.1. The
 model, data and training loop are plain functions so that the tests also run
 them in-process under `MirroredStrategy` (the single-process reference).
 

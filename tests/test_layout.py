@@ -1,10 +1,12 @@
 """The package's layout: imports flow one way, private symbols in one module, short functions.
 
-Read from the source with `ast`, nothing is imported. The modules follow the
-data path (model -> layer graph -> costs -> Chain -> plan -> rewrite ->
-blocks); `ORDER` lists them bottom-up, and a module may import only modules
-before it, at module level or inside a function alike (a lazy import must
-not hide a cycle). A new module has to be placed in `ORDER`.
+Read from the source with `ast`, nothing is imported. The folders follow the
+data path (model -> `graph/` -> `costs/` -> Chain -> `strategies/` -> plan ->
+`rewrite/` -> blocks of `layers/` -> `check/` by measurement), and imports
+go down it between folders (`PLACES`); `ORDER` lists every module bottom-up,
+and a module may import only modules before it, at module level or inside a
+function alike (a lazy import must not hide a cycle). A new module has to be
+placed in `ORDER`.
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ ORDER = [
     "tfrecompute.strategies.registry",
     "tfrecompute.strategies",
     "tfrecompute.startup",
-    "tfrecompute.plots",
     "tfrecompute._keras_internals",
     "tfrecompute.layers.custom_gradient",
     "tfrecompute.layers.state",
@@ -51,23 +52,45 @@ ORDER = [
     "tfrecompute.layers.attention",
     "tfrecompute.layers",
     "tfrecompute.graph",
-    "tfrecompute.trace",
-    "tfrecompute.expand",
-    "tfrecompute.call_costs",
-    "tfrecompute.policy_costs",
-    "tfrecompute.measured_costs",
+    "tfrecompute.graph.layer_graph",
+    "tfrecompute.graph.call_tree",
+    "tfrecompute.graph.expand",
     "tfrecompute.costs",
+    "tfrecompute.costs.call_memory",
+    "tfrecompute.costs.policy_state",
+    "tfrecompute.costs.measured",
+    "tfrecompute.costs.profile",
     "tfrecompute.rewrite",
-    "tfrecompute.measure",
-    "tfrecompute.fit",
-    "tfrecompute.max_batch",
-    "tfrecompute.models",
-    "tfrecompute.precision",
+    "tfrecompute.rewrite.apply",
+    "tfrecompute.rewrite.unwrap",
+    "tfrecompute.check",
+    "tfrecompute.check.measure",
+    "tfrecompute.check.verified_plan",
+    "tfrecompute.check.max_batch",
+    "tfrecompute.check._probe",
+    "tfrecompute.check.precision",
+    "tfrecompute.whole_model",
     "tfrecompute",
-    "tfrecompute._probe",
     "tfrecompute.cli",
+    "tfrecompute.cli.plots",
+    "tfrecompute.cli.command",
     "tfrecompute.__main__",
 ]
+
+# The folders are the steps of the path: the planner, the blocks, then a
+# model's call graph, its costs, a plan applied, a plan checked by
+# measurement, and the command line. The top-level modules are the shared
+# base below every folder and the public surface above all but the command
+# line. A module may import from its own place and the places before it only.
+BASE = {
+    "tfrecompute.errors",
+    "tfrecompute._messages",
+    "tfrecompute.startup",
+    "tfrecompute._keras_internals",
+}
+SURFACE = {"tfrecompute", "tfrecompute.whole_model"}
+FOLDERS = ["strategies", "layers", "graph", "costs", "rewrite", "check"]
+PLACES = ["base", *FOLDERS, "surface", "cli", "__main__"]
 
 # Only this module may import Keras's and TensorFlow's private modules.
 INTERNALS = "tfrecompute._keras_internals"
@@ -116,6 +139,30 @@ def test_imports_point_down_the_data_path(module):
         if name.split(".")[0] == "tfrecompute" and ORDER.index(name) >= rank
     ]
     assert not upward, f"{module} imports {upward}, which come after it in ORDER"
+
+
+def _place(module: str) -> str:
+    if module in BASE:
+        return "base"
+    if module in SURFACE:
+        return "surface"
+    return module.split(".")[1]
+
+
+def test_every_module_sits_in_a_folder_of_the_path_or_at_the_top():
+    stray = [module for module in MODULES if _place(module) not in PLACES]
+    assert not stray, f"{stray}: put them in a folder of PLACES, or name them in BASE or SURFACE"
+
+
+@pytest.mark.parametrize("module", ORDER)
+def test_folders_import_only_their_own_place_and_those_before(module):
+    rank = PLACES.index(_place(module))
+    later = [
+        name
+        for name in _imports(MODULES[module])
+        if name.split(".")[0] == "tfrecompute" and PLACES.index(_place(name)) > rank
+    ]
+    assert not later, f"{module} ({_place(module)}) imports {later}, from places after it"
 
 
 def test_the_planner_never_imports_tensorflow_or_keras():

@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent(
     from tfrecompute import RecomputeBlock  # registers it, as a saved model's loading needs
 
     assert keras.saving.get_registered_object("tfrecompute>RecomputeBlock") is RecomputeBlock
-    assert tfrecompute.recompute is tfrecompute.models.recompute  # all parts loaded at once
+    assert tfrecompute.recompute is tfrecompute.whole_model.recompute  # all parts loaded at once
     try:
         tfrecompute.no_such_thing
     except AttributeError as error:

@@ -12,15 +12,16 @@ parts). Where TensorFlow is not
 installed they are absent from `__all__`, and using one raises the
 `ImportError` of TensorFlow.
 
-The modules follow the data path, each importing only those before it:
-`errors` and `_messages` (pure Python), `strategies/` (the planner),
-`startup` (`quiet_tensorflow`), `_keras_internals` (every private
-Keras/TensorFlow symbol), `layers/` (`RecomputeBlock`, `checkpoint`,
-in-place and attention-core checkpoints), `graph` (a model's
-layer graph), `call_costs` and `costs` (`profile`: the graph's `Chain`),
-`rewrite` (a plan applied to a model, in the model itself; `unwrap`),
-`models` (`plan`, `recompute`), `measure` (`measure_step`, `trace_step`),
-`precision` (`check_precision`), and `cli` on top.
+The folders follow the data path, each importing only from those before
+it: `errors`, `_messages` and `startup` (`quiet_tensorflow`) at the base;
+`strategies/` (the planner, pure Python); `_keras_internals` (every private
+Keras/TensorFlow symbol); `layers/` (`RecomputeBlock`, `checkpoint`,
+in-place and attention-core checkpoints); then a model's path: `graph/`
+(its call graph), `costs/` (`profile`: the graph as a `Chain`), `rewrite/`
+(a plan applied in the model itself; `unwrap`), `check/` (`measure_step`,
+`trace_step`, `verified_plan`, `max_batch_size`, `check_precision`);
+`whole_model` (`plan`, `recompute`) on top of them, and `cli/` (the
+command line and its plots) last.
 """
 
 from __future__ import annotations
@@ -78,16 +79,22 @@ if importlib.util.find_spec("tensorflow") is not None:
 
 def _import_tensorflow_parts() -> dict[str, Any]:
     """Imports every TensorFlow part at once (so that `RecomputeBlock` is registered)."""
-    from tfrecompute.costs import profile
-    from tfrecompute.fit import VerifiedPlan, verified_plan
+    from tfrecompute.check.max_batch import BatchProbe, MaxBatch, max_batch_size
+    from tfrecompute.check.measure import (
+        Allocation,
+        StepMeasurement,
+        StepTrace,
+        measure_step,
+        trace_step,
+    )
+    from tfrecompute.check.precision import PrecisionFinding, check_precision
+    from tfrecompute.check.verified_plan import VerifiedPlan, verified_plan
+    from tfrecompute.costs.profile import profile
     from tfrecompute.layers import RecomputeBlock
     from tfrecompute.layers.function import checkpoint
     from tfrecompute.layers.in_place import Checkpoints, checkpoints
-    from tfrecompute.max_batch import BatchProbe, MaxBatch, max_batch_size
-    from tfrecompute.measure import Allocation, StepMeasurement, StepTrace, measure_step, trace_step
-    from tfrecompute.models import plan, recompute
-    from tfrecompute.precision import PrecisionFinding, check_precision
-    from tfrecompute.rewrite import unwrap
+    from tfrecompute.rewrite.unwrap import unwrap
+    from tfrecompute.whole_model import plan, recompute
 
     return {
         "Allocation": Allocation,

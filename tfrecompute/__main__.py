@@ -2,7 +2,7 @@
 
 import sys
 
-from tfrecompute.cli import main
+from tfrecompute.cli.command import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -2,7 +2,7 @@
 
 `tfrecompute.check_precision` runs them for every block of a model, with the
 model-level checks (NOTE [ What precision means for a recompute block ] in
-`tfrecompute.precision`).
+`tfrecompute.check.precision`).
 """
 
 from __future__ import annotations

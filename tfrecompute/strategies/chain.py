@@ -72,7 +72,7 @@ class Chain:
             segment starting at link `i` reads (default zeros; at most
             `activation_bytes(i)`), live through the segment's recompute and
             backward. `RecomputeBlock` copies its floating inputs there (NOTE
-            [ The recompute's input copy ] in tfrecompute/costs.py).
+            [ The recompute's input copy ] in tfrecompute/costs/profile.py).
         update_workspace_bytes: transient bytes of the optimizer step at the
             end of the backward pass, while the gradients of `kept_grad_bytes` are
             all alive (default 0): the copies an optimizer that needs all

@@ -22,7 +22,7 @@ DEFAULT_HEADROOM = 0.3
 NOTE [ Budget headroom ]
 The memory model predicts the bytes a step's tensors request. TensorFlow's
 BFC allocator serves each request from a free chunk of up to twice its size
-(NOTE [ Requested and allocated bytes ] in tfrecompute/measure.py), so what
+(NOTE [ Requested and allocated bytes ] in tfrecompute/check/measure.py), so what
 the allocator holds, which is what runs out on a GPU, is more: +2% to +35%
 over the requested peak in benchmarks/results/prediction_accuracy.md (the
 most under `sqrt` plans), different from step to step, while the requested
@@ -31,9 +31,9 @@ a model (`plan`, `recompute`, the CLI) is therefore planned as
 `budget * (1 - headroom)`: 1 / 0.7 covers +43% over an exact prediction, and
 the optimal plans of that benchmark measured 69% to 90% of their budget
 (ConvNeXtTiny's 124%: its recomputed segments hold XLA buffers the model
-does not predict; a verified plan, `tfrecompute.fit`, measures them). It
+does not predict; a verified plan, `tfrecompute.check.verified_plan`, measures them). It
 is a margin, not a bound: a prediction under the requested peak and a large
-rounding can together exceed it. tests/test_models_real.py checks that the
+rounding can together exceed it. tests/whole_model/test_real_models.py checks that the
 optimal plan's measured allocator peak stays under the budget.
 """
 

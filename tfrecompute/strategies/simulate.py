@@ -101,27 +101,27 @@ the behaviour:
 * A block keeps only its inputs from its forward to its backward; the
   activations inside are dropped. A segment holds its output and the carries
   it hands on (`output_bytes`, `carries`: the `H += a_e + C(s, e)` above).
-  tests/test_trace_step.py test_trace_sees_recompute_keep_fewer_activations,
-  tests/test_measure_step.py test_sqrt_blocks_at_most_halve_step_memory.
+  tests/check/test_trace_step.py test_trace_sees_recompute_keep_fewer_activations,
+  tests/check/test_measure_step.py test_sqrt_blocks_at_most_halve_step_memory.
 * The recompute runs when the gradient of the block's outputs exists, not
   earlier, and TensorFlow does not merge it with the forward: the recompute
   phase of the backward (`layers/custom_gradient.py` makes everything it
   reads depend on the incoming gradient, also under XLA).
-  tests/test_measure_step.py test_block_with_only_integer_inputs_still_saves_memory,
-  tests/test_block_xla_export_higher_order.py test_blocks_still_save_memory_under_xla_on_cpu.
+  tests/check/test_measure_step.py test_block_with_only_integer_inputs_still_saves_memory,
+  tests/layers/test_block_xla_export_higher_order.py test_blocks_still_save_memory_under_xla_on_cpu.
 * The recompute reads a copy of the block's floating inputs, live through the
   segment's recompute and backward (`input_copy_bytes`, `K_s`).
-  tests/test_costs.py test_the_recompute_copies_its_input.
+  tests/costs/test_profile.py test_the_recompute_copies_its_input.
 * A block releases its weight gradients only once its whole backward is
   computed, so a segment holds them until its backward ends
   (`applied_grad_bytes`, `U(j, e)`), and an optimizer that needs all
   gradients keeps them to the step's end (`kept_grad_bytes`).
-  tests/test_block.py test_variable_updates_in_the_same_step_do_not_reach_the_recompute
-  (why), tests/test_costs.py test_parameter_gradients_follow_the_optimizer (the bytes).
+  tests/layers/test_block.py test_variable_updates_in_the_same_step_do_not_reach_the_recompute
+  (why), tests/costs/test_profile.py test_parameter_gradients_follow_the_optimizer (the bytes).
 * One segment's backward at a time: a block releases its inputs' gradients,
   from which the previous segment's recompute starts, only once its whole
   backward is computed, so no two segments' recomputed activations are live
-  at once. tests/test_block.py test_a_blocks_input_gradient_waits_for_its_weight_gradients.
+  at once. tests/layers/test_block.py test_a_blocks_input_gradient_waits_for_its_weight_gradients.
 * Plans are single-level: a block nested in another recomputes once more per
   enclosing recompute, which this model does not describe; `rewrite` never
   nests blocks.

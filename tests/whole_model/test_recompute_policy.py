@@ -1,0 +1,135 @@
+"""recompute(model, ..., policy=...): the blocks it builds keep what the policy says."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfrecompute
+from tests import any_models, models_zoo
+from tests.helpers import MODES, applied_blocks, as_defined, assert_same_training
+from tests.test_errors import CONVENTION, _own_message
+from tests.whole_model.test_recompute import _same_training
+from tfrecompute.layers.in_place import checkpointed_in_place
+
+_blocks = applied_blocks
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_sequential_rewrite_gives_every_block_the_policy(mode):
+    model = models_zoo.tanh_mlp(depth=6, width=16)
+    tfrecompute.recompute(model, "sqrt", policy="dots")
+    blocks = _blocks(model)
+    assert len(blocks) >= 2 and all(b.policy == "dots" for b in blocks)
+    x = tf.constant(np.random.default_rng(0).normal(size=(4, 16)).astype("float32"))
+    _same_training(model, [x], mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_functional_encoder_rewrite_under_dots_trains_as_the_original(mode):
+    keras.utils.set_random_seed(0)
+    model = models_zoo.transformer_encoder(layers=2, sequence=8, hidden=16, heads=2)
+    tfrecompute.recompute(model, "uniform:4", policy="dots")
+    blocks = _blocks(model)
+    assert blocks and all(b.policy == "dots" for b in blocks)
+    ids = tf.constant(np.random.default_rng(0).integers(0, 100, (2, 8)).astype("int32"))
+    _same_training(model, [ids], mode)
+
+
+def test_in_place_checkpoints_get_the_policy():
+    model, (ids, _) = any_models.loop_transformer(layers=2, hidden=16, sequence=8, batch=2)
+    tfrecompute.recompute(model, "uniform:1", sample=ids, policy="dots")
+    placed = _blocks(model)
+    assert placed and all(b.policy == "dots" for b in placed)
+    assert all(checkpointed_in_place(b.inner[0]) for b in placed)
+
+
+def test_a_malformed_policy_is_rejected_before_planning():
+    model = models_zoo.tanh_mlp(depth=2, width=8)
+    with pytest.raises(ValueError, match=r"^recompute: unknown recompute policy") as info:
+        tfrecompute.recompute(model, "sqrt", policy="everything")
+    assert CONVENTION.match(_own_message(info.value))
+
+
+def test_profile_with_a_policy_measures_the_kept_products():
+    keras.utils.set_random_seed(0)
+    model = models_zoo.transformer_encoder(layers=1, sequence=8, hidden=16, heads=2)
+    chain = tfrecompute.profile(model, batch_size=4, policy="dots")
+    plain = tfrecompute.profile(model, batch_size=4)
+    assert plain.policy_kept_bytes is None and chain.has_policy
+    kept = dict(zip(chain.names, chain.policy_kept_bytes))
+    cost = dict(zip(chain.names, chain.policy_forward_cost))
+    attention = next(name for name in chain.names if "multi_head_attention" in name)
+    dense = next(name for name in chain.names if name.startswith("dense") and "+" not in name)
+    # q, k, v and the output projection: four (4, 8, 16) float32 products.
+    assert kept[attention] == 4 * 4 * 8 * 16 * 4
+    assert kept[dense] in (4 * 8 * 64 * 4, 4 * 8 * 16 * 4)
+    # Links without a weight product keep nothing and cost their whole forward.
+    for name, forward in zip(chain.names, chain.forward_cost):
+        if "dropout" in name and "+" not in name:
+            assert kept[name] == 0 and cost[name] == forward
+    assert cost[attention] < dict(zip(chain.names, chain.forward_cost))[attention]
+
+
+def test_recompute_applies_the_plans_selective_segments():
+    keras.utils.set_random_seed(0)
+    model = models_zoo.transformer_encoder(layers=2, sequence=32, hidden=16, heads=2)
+    chain = tfrecompute.profile(model, batch_size=8, policy="dots")
+    chosen = next(p for p in tfrecompute.strategies.frontier(chain) if any(p.selective))
+    tfrecompute.recompute(model, chosen, policy="dots")
+    policies = [b.policy for b in _blocks(model)]
+    assert policies == ["dots" if s else None for s in chosen.selective]
+    assert "selective" in chosen.summary()
+    with pytest.raises(ValueError, match="no policy is given") as info:
+        tfrecompute.recompute(model, chosen)
+    assert CONVENTION.match(_own_message(info.value))
+    ids = tf.constant(np.random.default_rng(0).integers(0, 100, (2, 32)).astype("int32"))
+    _same_training(model, [ids], "function")
+
+
+@pytest.mark.parametrize("policy", ["dots", "attention"])
+def test_the_command_line_plans_with_a_policy(policy, tmp_path, capsys):
+    from tfrecompute.cli.command import main
+
+    keras.utils.set_random_seed(0)
+    model = models_zoo.transformer_encoder(layers=2, sequence=32, hidden=16, heads=2)
+    path = str(tmp_path / "encoder.keras")
+    model.save(path)
+    assert main(["frontier", path, "--batch-size", "8", "--policy", policy]) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.split()[:1] == ["peak"])
+    assert header.split()[-1] == "selective"
+    rows = out.split(header)[1].strip().splitlines()
+    assert any(row.split()[-1] != "0" for row in rows if row.strip()[:1].isdigit())
+    assert main(["profile", path, "--batch-size", "8", "--policy", policy]) == 0
+    assert "Under the policy the links keep" in capsys.readouterr().out
+    chain = tfrecompute.profile(model, batch_size=8, policy=policy)
+    selective = next(p for p in tfrecompute.strategies.frontier(chain) if any(p.selective))
+    budget = str(int(selective.peak_bytes / 0.7) + 1)
+    assert main(["plan", path, "--batch-size", "8", "--policy", policy, "--budget", budget]) == 0
+    assert "selective" in capsys.readouterr().out
+
+
+def test_a_keras_hub_bert_under_dots_trains_as_the_original():
+    keras.utils.set_random_seed(0)
+    model, (x, _) = any_models.bert(layers=2, hidden=32, sequence=16, batch=2)
+    tfrecompute.recompute(model, "uniform:3", sample=x, policy="dots")
+    assert {b.policy for b in _blocks(model)} == {"dots"}
+    names = sorted(x)
+    inputs = [tf.constant(x[k]) for k in names]
+
+    def run(m):
+        return lambda *xs, training=None: m(dict(zip(names, xs)), training=training)
+
+    for mode in MODES:
+        assert_same_training(
+            run(model),
+            run(as_defined(model)),
+            inputs,
+            model.trainable_variables,
+            model.non_trainable_variables,
+            mode,
+            atol=1e-5,
+        )

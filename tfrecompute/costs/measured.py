@@ -1,0 +1,175 @@
+"""Measured per-call costs: run a call's forward and backward and read the allocator.
+
+`call_memory` reads what a call keeps from its traced gradient graph, without
+running it. Where that reading cannot see (NOTE [ Calls the graph does not
+show ] in `tfrecompute.costs.call_memory`: XLA-compiled functions, custom gradients,
+shapes known only at run time), or everywhere when asked
+(`profile(..., measure=True)`), `measure_call` runs the call's forward and
+backward once on tensors of the real shapes and reads the device allocator's
+peak above the inputs; `corrected` turns that into the call's workspace.
+`profile` caches both per call signature (the same layer on the same input
+specs), as it does the static reading.
+
+NOTE [ A call's measured workspace ]
+The step function returns the call's outputs, the gradients it makes (of
+its floating inputs and trainable variables) and is given the output
+gradients: all of them live at the end of its backward, all of them bytes the
+chain counts elsewhere (`Chain.output_bytes`, `input_grad_bytes`, the weight
+gradients). What the peak holds above those and the activations the
+call keeps (`CallMemory.kept_bytes`) is memory the backward needs on top:
+the workspace. A measured workspace never lowers the one read from the
+graph (the CPU allocator's statistics leave out allocations under 256 KiB).
+The layer's non-trainable state (BatchNorm statistics, seed generators)
+is restored after the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfrecompute._keras_internals import call_has_training_arg
+from tfrecompute.costs.call_memory import CallMemory
+from tfrecompute.graph.layer_graph import tensor_bytes, trainable_variables
+
+__all__ = ["CallMeasurement", "corrected", "measure_call", "measurement_device"]
+
+TIMED_RUNS = 5  # forward runs timed per call; the median is kept
+
+
+@dataclasses.dataclass(frozen=True)
+class CallMeasurement:
+    """What one call's forward and backward took, run on tensors of the real shapes.
+
+    Attributes:
+        peak_bytes: the allocator's peak during forward and backward, above
+            the bytes in use before (the inputs and the model's weights).
+        accounted_bytes: the bytes of its outputs, their gradients and the
+            gradients it returns, all live at the end (NOTE [ A call's
+            measured workspace ]).
+        forward_seconds: the median time of its forward alone (CPU time on
+            a CPU, wall time on a GPU), or None if not timed.
+    """
+
+    peak_bytes: int
+    accounted_bytes: int
+    forward_seconds: float | None = None
+
+
+def measurement_device() -> str:
+    """`"GPU:0"` when TensorFlow sees a GPU, else `"CPU:0"`: where calls are measured."""
+    return "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
+
+
+def corrected(memory: CallMemory, measured: CallMeasurement) -> CallMemory:
+    """`memory` with its workspace raised to what the measurement shows (see the NOTE)."""
+    hidden = measured.peak_bytes - measured.accounted_bytes - memory.kept_bytes
+    return dataclasses.replace(memory, workspace_bytes=max(memory.workspace_bytes, hidden))
+
+
+def _sample(tensor: keras.KerasTensor, batch_size: int) -> tf.Tensor:
+    """A tensor of `tensor`'s shape and dtype: normal floats, zeros otherwise (valid ids)."""
+    shape = [batch_size if dim is None else int(dim) for dim in tensor.shape]
+    dtype = keras.backend.standardize_dtype(tensor.dtype)
+    if keras.backend.is_float_dtype(dtype):
+        return tf.cast(tf.random.stateless_normal(shape, seed=(0, 0)), dtype)
+    return tf.zeros(shape, dtype)
+
+
+def _step_function(layer: Any, args: Any, kwargs: Any, symbolic: list[Any]) -> Any:
+    """`(values, backward) -> (outputs, gradients)`: the call on `values`, and its backward."""
+
+    def run(values: tuple[tf.Tensor, ...], backward: bool) -> Any:
+        mapping = {id(t): v for t, v in zip(symbolic, values)}
+
+        def substitute(value: Any) -> Any:
+            return mapping[id(value)] if isinstance(value, keras.KerasTensor) else value
+
+        call_kwargs = keras.tree.map_structure(substitute, kwargs)
+        if call_has_training_arg(layer):
+            call_kwargs["training"] = True
+        sources = [v for v in values if v.dtype.is_floating] + trainable_variables(layer)
+        with tf.GradientTape() as tape:
+            tape.watch([v for v in values if v.dtype.is_floating])
+            results = keras.tree.flatten(
+                layer(*keras.tree.map_structure(substitute, args), **call_kwargs)
+            )
+        floats = [r for r in results if r.dtype.is_floating]
+        if not backward or not floats or not sources:
+            return results, []
+        upstream = [tf.ones_like(r) for r in floats]
+        grads = tape.gradient(floats, sources, output_gradients=upstream)
+        parts = [g for g in tf.nest.flatten(grads, expand_composites=True) if g is not None]
+        return [*results, *upstream], parts
+
+    return run
+
+
+def _bytes(tensors: list[tf.Tensor]) -> int:
+    return sum(tensor_bytes(t.shape, t.dtype, 1) for t in tensors)
+
+
+def measure_call(
+    layer: Any,
+    args: Any,
+    kwargs: Any,
+    batch_size: int,
+    *,
+    time_forward: bool = False,
+    device: str | None = None,
+) -> CallMeasurement:
+    """Runs one call's forward and backward on tensors of the real shapes and measures it.
+
+    The call runs (in training mode) inside a `tf.function` on `device` once
+    to trace and compile it, then again from a reset allocator peak. Its
+    layer's non-trainable state is restored afterwards.
+
+    Args:
+        layer: the layer called, or a plain Keras op.
+        args, kwargs: the call's arguments, with `keras.KerasTensor`s for tensors.
+        batch_size: the size of the leading `None` dimension.
+        time_forward: also time the forward alone (`TIMED_RUNS` runs, median).
+        device: `"CPU:0"` or `"GPU:0"`; by default `measurement_device()`.
+    """
+    name = device or measurement_device()
+    flat = keras.tree.flatten((args, kwargs))
+    symbolic = list({id(t): t for t in flat if isinstance(t, keras.KerasTensor)}.values())
+    state = [v for v in getattr(layer, "variables", []) if not v.trainable]
+    saved = [np.array(v.numpy()) for v in state]
+    run = _step_function(layer, args, kwargs, symbolic)
+    try:
+        with tf.device(name):
+            values = tuple(_sample(t, batch_size) for t in symbolic)
+            both = tf.function(lambda *v: run(v, True), autograph=False)
+            both(*values)  # traces and compiles
+            before = tf.config.experimental.get_memory_info(name)["current"]
+            tf.config.experimental.reset_memory_stats(name)
+            kept, grads = both(*values)
+            peak = tf.config.experimental.get_memory_info(name)["peak"] - before
+            accounted = _bytes(list(kept)) + _bytes(list(grads))
+            del kept, grads
+            seconds = _time_forward(run, values, name) if time_forward else None
+    finally:
+        for variable, value in zip(state, saved):
+            variable.assign(value)
+    return CallMeasurement(int(max(peak, 0)), accounted, seconds)
+
+
+def _time_forward(run: Any, values: tuple[tf.Tensor, ...], device: str) -> float:
+    """The median time of the call's forward alone (CPU time on a CPU, wall on a GPU)."""
+    forward = tf.function(lambda *v: run(v, False)[0], autograph=False)
+    clock = time.process_time if device.startswith("CPU") else time.perf_counter
+    forward(*values)
+    times = []
+    for _ in range(TIMED_RUNS):
+        start = clock()
+        results = forward(*values)
+        _ = [np.asarray(r) for r in results[:1]]  # waits for the device
+        times.append(clock() - start)
+    return statistics.median(times)

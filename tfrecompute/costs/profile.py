@@ -1,0 +1,843 @@
+"""`profile()`: a model's cost chain, assembled in named phases.
+
+The data path: the model's `LayerGraph` (its calls in topological order),
+each call's costs read from its traced gradient graph (`call_memory`), the
+calls grouped into links, and per link the bytes and costs of a
+`strategies.Chain`. Each phase below is one function whose docstring is the
+NOTE that explains it. The chain's `source` is a `ProfiledModel`: the map
+from its links to the model's calls, with which `tfrecompute.rewrite.apply` applies
+a plan without profiling the model again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from tfrecompute import strategies
+from tfrecompute._keras_internals import all_sublayers, outside_strategy_scope
+from tfrecompute._messages import as_bool, as_count, as_positive_int, fail
+from tfrecompute.costs.call_memory import CallMemory, call_memory
+from tfrecompute.costs.measured import corrected, measure_call
+from tfrecompute.costs.policy_state import kept_products, policy_link_costs
+from tfrecompute.graph.call_tree import input_specs, trace_model
+from tfrecompute.graph.expand import Selection, expand, selected, selection
+from tfrecompute.graph.layer_graph import Call, LayerGraph, tensor_bytes, trainable_variables
+from tfrecompute.layers import RecomputeBlock
+from tfrecompute.layers.attention import attention_layers
+from tfrecompute.layers.in_place import suspended
+from tfrecompute.layers.policy import policy_scope, resolve_policy
+
+__all__ = [
+    "COMPILED",
+    "ProfiledModel",
+    "batch_of",
+    "check_batch_size",
+    "profile",
+    "profile_graph",
+    "profiled_model",
+    "traced_graph",
+]
+
+COMPILED: Any = "compiled"
+"""`profile(..., optimizer=COMPILED)`: model the optimizer the model was compiled with."""
+
+Progress = Callable[[int, int], None]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ProfiledModel:
+    """What a chain was profiled from: the model's graph, and which calls each link is.
+
+    Attributes:
+        graph: the model's layer graph.
+        links: link `k` is the calls `links[k][0]` up to (not including) `links[k][1]`.
+        batch_size: the batch size the chain's bytes are for.
+    """
+
+    graph: LayerGraph
+    links: tuple[tuple[int, int], ...]
+    batch_size: int
+
+    def call_segments(self, segments: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Segments of links as ranges of the graph's calls."""
+        return [(self.links[s][0], self.links[e - 1][1]) for s, e in segments]
+
+
+def profiled_model(chain: strategies.Chain, model: keras.Model) -> ProfiledModel | None:
+    """The `ProfiledModel` of `chain` if `profile` made it for this very `model`, else None."""
+    source = chain.source
+    if isinstance(source, ProfiledModel) and source.graph.model is model:
+        return source
+    return None
+
+
+def profile(
+    model: keras.Model,
+    batch_size: int | None = None,
+    *,
+    sample: Any = None,
+    optimizer: Any = COMPILED,
+    depth: int | None = None,
+    where: Any = None,
+    progress: Progress | None = None,
+    policy: Any = None,
+    measure: bool | None = None,
+    measure_time: bool = False,
+) -> strategies.Chain:
+    """The cost chain of any Keras model at a batch size.
+
+    The model's call is traced once on placeholders (nothing runs) and its
+    calls make the links of the chain (NOTE [ Expanding the call tree ] in
+    `tfrecompute.graph.expand`): a Functional or Sequential model's layer and
+    `keras.ops` calls, nested Functional models' calls in their place, the
+    blocks of a container layer such as keras-hub's `ViTEncoder`, the
+    sub-layer calls of a subclassed model. A call whose outputs no backward
+    pass reads joins the link of the call after it (BatchNormalization
+    feeding a ReLU); a link's name joins its calls' names with "+". Per
+    link: the bytes of its outputs (from their shapes and the compute dtype,
+    so they halve under a float16 or bfloat16 policy), the bytes it keeps
+    alive for its backward (read from the calls' traced gradient graphs: what
+    TensorFlow really keeps, e.g. a Dropout's boolean mask, a GELU's
+    intermediates), and its forward cost in estimated FLOPs. `Chain.max_stop`
+    says which links a segment may hold.
+
+    Args:
+        model: a built Keras model: Sequential, Functional or subclassed.
+        batch_size: the training batch size; by default the sample's.
+        sample: one batch as the model is called with (an array, a list or
+            dict of arrays, or `(x, y)` as passed to `fit`): fixes the shapes
+            the model's inputs leave unknown (a keras-hub backbone's
+            `(None, None)` token ids) and is needed for a subclassed model.
+            Only shapes and dtypes are read.
+        optimizer: the optimizer whose handling of weight gradients to model:
+            one that needs all of them before any update (global norm
+            clipping, a `LossScaleOptimizer`, gradient accumulation) keeps
+            them until the step's end; any other applies each as it is
+            computed. By default the optimizer the model was compiled with
+            (none if it is not compiled: gradients applied as computed).
+        depth: how many levels of nested calls to look into below the
+            model's own (None: as deep as they can be checkpointed; 0: the
+            model's own calls only).
+        where: only the calls of these layers may become blocks, one each: a
+            layer class, a tuple of classes, a list of layer names, or a
+            predicate `(layer) -> bool`; layers holding them are looked into.
+        progress: called as `progress(done, total)` after each layer call is
+            analysed (for a progress bar).
+        policy: a recompute policy (see `RecomputeBlock`): the chain then
+            has the third state, each link's `policy_kept_bytes` and
+            `policy_forward_cost` under it (`tfrecompute.costs.policy_state`).
+        measure: whether to run calls and read the allocator
+            (`tfrecompute.costs.measured`): None (the default) measures only
+            the calls whose graph does not show what they allocate (XLA
+            functions such as Keras's grouped `Conv2D`, custom gradients,
+            shapes known only at run time); True every call; False none.
+            Each distinct call (layer and input specs) runs once, on the
+            GPU when there is one.
+        measure_time: replace the estimated FLOPs of each link's forward by
+            its measured time in seconds (each call's forward timed on
+            tensors of the real shapes, median of a few runs).
+
+    Returns:
+        A `tfrecompute.strategies.Chain` with the calls' names as `names`.
+
+    Example:
+
+    ```python
+    chain = tfrecompute.profile(model, batch_size=32)
+    print(chain.n, sum(chain.saved_bytes))
+    backbone = keras_hub.models.BertBackbone(...)   # (None, None) token ids
+    chain = tfrecompute.profile(backbone, sample=batch)  # shapes from the batch
+    ```
+    """
+    resolve_policy("profile", policy)
+    as_bool("profile", "measure_time", measure_time)
+    if measure is not None:
+        as_bool("profile", "measure", measure, fix="Pass measure=None, True or False")
+    graph = traced_graph("profile", model, sample, batch_size, depth=depth, where=where)
+    return profile_graph(
+        graph,
+        batch_of(graph),
+        optimizer,
+        progress,
+        where=where,
+        policy=policy,
+        measure=measure,
+        measure_time=measure_time,
+    )
+
+
+def check_model(api: str, model: Any) -> None:
+    """Raises unless `model` is a Keras model."""
+    if not isinstance(model, keras.Model):
+        fail(api, "`model` must be a Keras model", "model", model, "Pass a keras.Model",
+             error=TypeError)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _as_defined(model: keras.Model) -> Iterator[None]:
+    """Traces and profiles see `model` as it was defined (NOTE [ A checkpointed model is
+    the model ]), outside a strategy's scope (NOTE [ Tracing costs inside a strategy's
+    scope ])."""
+    with suspended(model), outside_strategy_scope():
+        yield
+
+
+def traced_graph(
+    api: str,
+    model: keras.Model,
+    sample: Any,
+    batch_size: Any,
+    *,
+    depth: Any = None,
+    where: Any = None,
+) -> LayerGraph:
+    """The model's `LayerGraph`, from one trace at the sample's (or its inputs') shapes."""
+    check_model(api, model)
+    if not model.built:
+        fail(
+            api,
+            "the model is not built, so its calls are unknown",
+            "model",
+            model,
+            "Call it on a batch first, give it an input shape (keras.Input(...)), or pass sample=",
+            by_name=True,
+        )
+    checked = check_batch_size(api, batch_size)
+    depth = None if depth is None else as_count(api, "depth", depth)
+    chosen = selection(api, where)
+    with _as_defined(model):
+        root = trace_model(model, input_specs(api, model, sample, checked), api=api)
+        graph = expand(model, root, depth=depth, where=chosen)
+    graph.check_static_shapes(api)
+    if chosen is not None and not any(selected(chosen, c.layer) for c in graph.calls):
+        fail(
+            api,
+            "`where` selects no layer call of the model",
+            "where",
+            where,
+            "Pass a layer class, names or a predicate that some layer the model calls "
+            "matches (see model.summary(expand_nested=True))",
+        )
+    return graph
+
+
+def batch_of(graph: LayerGraph) -> int:
+    """The batch size the graph was traced at: the leading dimension of its first input."""
+    for tensor in graph.inputs:
+        if tensor.shape and tensor.shape[0] is not None:
+            return int(tensor.shape[0])
+    return 1
+
+
+def check_batch_size(api: str, batch_size: Any, *, required_for: str | None = None) -> int | None:
+    """Validates a batch size; None passes unless `required_for` names what needs it."""
+    if batch_size is None:
+        if required_for:
+            fail(
+                api,
+                f"{required_for} needs the batch size, because activation bytes grow with it",
+                "batch_size",
+                batch_size,
+                "Pass the batch size you train with, e.g. batch_size=64, or a sample batch "
+                "(sample=)",
+            )
+        return None
+    return as_positive_int(api, "batch_size", batch_size, example="batch_size=64")
+
+
+def profile_graph(
+    graph: LayerGraph,
+    batch_size: int,
+    optimizer: Any = COMPILED,
+    progress: Progress | None = None,
+    *,
+    where: Any = None,
+    policy: Any = None,
+    measure: bool | None = None,
+    measure_time: bool = False,
+) -> strategies.Chain:
+    """`profile` on a traced graph; the chain's `source` is its `ProfiledModel`."""
+    with _as_defined(graph.model):
+        return _profile_graph(
+            graph, batch_size, optimizer, progress, where, policy, _Measuring(measure, measure_time)
+        )
+
+
+def _profile_graph(
+    graph: LayerGraph,
+    batch_size: int,
+    optimizer: Any,
+    progress: Progress | None,
+    where: Any,
+    policy: Any,
+    measuring: _Measuring,
+) -> strategies.Chain:
+    memories, seconds = _call_memories(graph, batch_size, progress, measuring)
+    needed = _read_by_backward(graph, memories)
+    links = _links(graph, needed | _cast_for_backward(graph, memories))
+    link_of = [0] * len(graph.calls)
+    for link, (first, stop) in enumerate(links):
+        link_of[first:stop] = [link] * (stop - first)
+    sizes = _Sizes(graph, batch_size, _differentiable(graph))
+    if optimizer is COMPILED:
+        optimizer = getattr(graph.model, "optimizer", None)
+    keep_all = _keeps_all_gradients(optimizer)
+    weights = _weight_gradients(graph, link_of, len(links), keep_all=keep_all)
+    skips = _carries(graph, link_of, len(links), sizes)
+    per_link = _link_costs(graph, links, _Reads(memories, needed, seconds), sizes, skips)
+    forward = [c.forward_cost for c in per_link]
+    kept = cheaper = None
+    scope = policy_scope(policy)
+    if scope is not None:  # NOTE [ The attention state ]
+        holds = _holds_attention(graph)
+        with scope([graph.model]):
+            untimed = dataclasses.replace(measuring, time=False)
+            again, _ = _call_memories(graph, batch_size, None, untimed, redo=holds, reuse=memories)
+        scoped = _link_costs(graph, links, _Reads(again, needed, None), sizes, skips)
+        kept = [c.saved for c in scoped]
+        forward, cheaper = _attention_costs(
+            graph, links, batch_size, forward, timed=measuring.time, holds_attention=holds
+        )
+    elif (function := resolve_policy("profile", policy)) is not None:
+        flops = _link_flops(graph, links, batch_size)
+        kept, cheaper = policy_link_costs(graph, links, batch_size, function, forward, flops)
+    return strategies.Chain(
+        sizes.of(graph.inputs),
+        [c.output for c in per_link],
+        [c.saved for c in per_link],
+        forward,
+        workspace_bytes=[c.workspace for c in per_link],
+        kept_grad_bytes=weights.per_link if keep_all else None,
+        applied_grad_bytes=None if keep_all else weights.per_link,
+        carries=skips.carries,
+        carry_grads=skips.carry_grads,
+        input_grad_bytes=[c.input_grad for c in per_link],
+        input_copy_bytes=[c.input_copy for c in per_link],
+        update_workspace_bytes=weights.update_workspace if keep_all else 0,
+        names=[c.name for c in per_link],
+        max_stop=_max_stops(graph, links, sizes, selection("profile", where)),
+        policy_kept_bytes=kept,
+        policy_forward_cost=cheaper,
+        source=ProfiledModel(graph, tuple(links), batch_size),
+    )
+
+
+def _link_flops(graph: LayerGraph, links: list[tuple[int, int]], batch_size: int) -> list[float]:
+    """Each link's estimated forward FLOPs."""
+    return [
+        sum(_estimated_flops(call, batch_size) for call in graph.calls[first:stop])
+        for first, stop in links
+    ]
+
+
+def _attention_costs(
+    graph: LayerGraph, links: list[tuple[int, int]], batch_size: int, forward: list[float], *,
+    timed: bool, holds_attention: Callable[[Call], bool],
+) -> tuple[list[float], list[float]]:  # fmt: skip
+    """(forward cost, recompute cost) per link in the attention state.
+
+    NOTE [ The attention state ]
+    A link under policy "attention" keeps what its calls keep with their
+    attention cores checkpointed (`_profile_graph` traces the calls that hold
+    an attention layer again inside the policy's scope), and its recompute
+    runs the cores again: the products without a weight (`QK^T`, `AV`) in
+    those calls. The forward's FLOP estimate leaves them out, which would
+    price a full recompute of an attention link at no more than its cores
+    alone; so each link's forward counts them too. In measured seconds (which
+    include them), the cores cost the link's time times their share of its
+    FLOPs.
+    """
+    no_weight = resolve_policy("profile", _takes_no_weight)
+    assert no_weight is not None
+    products = kept_products(graph, links, batch_size, no_weight, where=holds_attention)
+    cores = [flops for _, flops in products]
+    if timed:
+        estimates = _link_flops(graph, links, batch_size)
+        shares = [c / (e + c) if c else 0.0 for e, c in zip(estimates, cores)]
+        return forward, [t * share for t, share in zip(forward, shares)]
+    return [f + c for f, c in zip(forward, cores)], cores
+
+
+def _takes_no_weight(op: Any) -> bool:
+    return not op.weight
+
+
+def _holds_attention(graph: LayerGraph) -> Callable[[Call], bool]:
+    """Whether a call's layer is or holds an attention layer (NOTE [ Attention core recompute ])."""
+    found = {id(layer) for layer in attention_layers([graph.model])}
+
+    def holds(call: Call) -> bool:
+        layer = call.layer
+        return isinstance(layer, keras.layers.Layer) and any(
+            id(sub) in found for sub in all_sublayers(layer)
+        )
+
+    return holds
+
+
+# ------------------------------------------------------------------ phases
+
+
+@dataclasses.dataclass(frozen=True)
+class _Measuring:
+    calls: bool | None  # `profile(measure=)`: None for the calls the graph does not show
+    time: bool  # `profile(measure_time=)`
+
+
+def _call_memories(
+    graph: LayerGraph,
+    batch_size: int,
+    progress: Progress | None,
+    measuring: _Measuring,
+    *,
+    redo: Callable[[Call], bool] | None = None,
+    reuse: Sequence[CallMemory] = (),
+) -> tuple[list[CallMemory], list[float] | None]:
+    """What each call keeps for its backward, traced (or measured) once per layer and input
+    signature; with `measuring.time`, each call's measured forward seconds too. With
+    `redo`, only the calls it selects are traced; the others' memories come from `reuse`."""
+    cache: dict[tuple[Any, ...], tuple[CallMemory, float]] = {}
+    memories, seconds = [], []
+    for done, call in enumerate(graph.calls, start=1):
+        signature = tuple((tuple(t.shape), str(t.dtype)) for t in call.tensor_args)
+        key = (id(call.layer), signature)
+        if redo is not None and not redo(call):
+            memories.append(reuse[done - 1])
+            seconds.append(0.0)
+            continue
+        if key not in cache:
+            cache[key] = _measured(call, _call_memory(call, batch_size), batch_size, measuring)
+        memories.append(cache[key][0])
+        seconds.append(cache[key][1])
+        if progress is not None:
+            progress(done, len(graph.calls))
+    return memories, seconds if measuring.time else None
+
+
+def _measured(
+    call: Call, memory: CallMemory, batch_size: int, measuring: _Measuring
+) -> tuple[CallMemory, float]:
+    """The call's memory corrected by a measurement when one is wanted, and its forward time.
+
+    Glue and blocks already in the model are modelled, never measured; a
+    call of a layer without weights or differentiable inputs still runs.
+    """
+    wanted = memory.opaque if measuring.calls is None else measuring.calls
+    if call.glue or isinstance(call.layer, RecomputeBlock) or not (wanted or measuring.time):
+        return memory, 0.0
+    measured = measure_call(
+        call.layer, call.args, call.kwargs, batch_size, time_forward=measuring.time
+    )
+    return (corrected(memory, measured) if wanted else memory), measured.forward_seconds or 0.0
+
+
+def _call_memory(call: Call, batch_size: int) -> CallMemory:
+    """What one call keeps for its backward (see `call_memory`), glue and blocks included.
+
+    Glue (a layer's own computation between its sub-layer calls) is taken
+    to keep nothing: its element-wise adds and reshapes do not. A
+    `RecomputeBlock` already in the model keeps only its inputs, and its
+    backward holds what its layers keep while it recomputes them: that, the
+    peak of its layers storing everything, is its workspace.
+    """
+    if call.glue:
+        n_in, n_out = len(call.tensor_args), len(call.outputs)
+        return CallMemory(0, 0, (False,) * n_in, (False,) * n_out)
+    memory = call_memory(call.layer, call.args, call.kwargs, call.outputs, batch_size)
+    if isinstance(call.layer, RecomputeBlock):
+        memory = dataclasses.replace(memory, workspace_bytes=_block_workspace(call))
+    return memory
+
+
+def _block_workspace(call: Call) -> int:
+    """The peak a block's backward adds: its layers recomputed, storing everything."""
+    block = call.layer
+    flat = keras.tree.flatten((call.args, call.kwargs))
+    tensors = [t for t in flat if isinstance(t, keras.KerasTensor)]
+    if len(call.args) != 1 or len(tensors) != len(keras.tree.flatten(call.args[0])):
+        fail(
+            "profile",
+            f"the RecomputeBlock {block.name!r} in the model takes extra arguments, so "
+            "what its recompute holds cannot be modelled",
+            "model",
+            block,
+            "Profile the model without its blocks (plan on the original model)",
+            by_name=True,
+        )
+    specs = keras.tree.map_structure(
+        lambda t: tf.TensorSpec(t.shape, keras.backend.standardize_dtype(t.dtype)), call.args[0]
+    )
+    inner = expand(block, trace_model(block, specs, api="profile"))
+    chain = profile_graph(inner, batch_of(inner), None)
+    return max(strategies.none(chain).peak_bytes - chain.input_bytes, 0)
+
+
+def _read_by_backward(graph: LayerGraph, memories: list[CallMemory]) -> set[int]:
+    """Ids of the tensors some call's backward reads (its inputs or its outputs)."""
+    needed: set[int] = set()
+    for call, memory in zip(graph.calls, memories):
+        needed.update(id(t) for t, read in zip(call.outputs, memory.reads_outputs) if read)
+        needed.update(id(t) for t, read in zip(call.tensor_args, memory.reads_inputs) if read)
+    return needed
+
+
+def _cast_for_backward(graph: LayerGraph, memories: list[CallMemory]) -> set[int]:
+    """Ids of the tensors a consumer casts and its backward reads the cast of."""
+    cast: set[int] = set()
+    for call, memory in zip(graph.calls, memories):
+        cast.update(id(t) for t, read in zip(call.tensor_args, memory.casts_inputs) if read)
+    return cast
+
+
+def _links(graph: LayerGraph, cut: set[int]) -> list[tuple[int, int]]:
+    """NOTE [ Links of the chain ]
+
+    A tensor that no backward reads (a BatchNormalization output feeding a
+    ReLU, whose gradient reads the ReLU's output) is freed as soon as its
+    consumer ran. A segment boundary there would force keeping it (a block
+    stores its inputs), so such a call is merged with the next one into one
+    link. A link's saved bytes count each tensor that some backward reads
+    once, at its producer, plus what its calls keep inside.
+
+    A tensor whose consumer casts it and keeps the cast for its backward is
+    no such tensor: keeping it instead of the cast costs no more. Under a
+    mixed precision policy each keras-hub decoder layer casts its bfloat16
+    input to float32 for its first norm, so that no layer output was read
+    by a backward and a Llama's whole stack merged into one link. Such
+    tensors (with the read ones: `cut`) end links.
+    """
+    links: list[tuple[int, int]] = []
+    start = 0
+    for index, call in enumerate(graph.calls):
+        transient = all(
+            id(t) not in cut and not graph.tensors[id(t)].is_output for t in call.outputs
+        )
+        if not transient or index == len(graph.calls) - 1:
+            links.append((start, index + 1))
+            start = index + 1
+    return links
+
+
+def _differentiable(graph: LayerGraph) -> set[int]:
+    """NOTE [ Which gradients exist ]
+
+    A training step differentiates the loss with respect to the trainable
+    variables only, so a tensor has a gradient only if it is a float that
+    some trainable variable flows into: not the model's inputs, not a
+    padding or rescaling of them, not integer ids. Returns their ids.
+    """
+    differentiable: set[int] = set()
+    for call in graph.calls:
+        if trainable_variables(call.layer) or any(
+            id(t) in differentiable for t in call.tensor_args
+        ):
+            differentiable.update(
+                id(t) for t in call.outputs if keras.backend.is_float_dtype(t.dtype)
+            )
+    return differentiable
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sizes:
+    """Bytes of the graph's tensors at the batch size, and which of them have gradients."""
+
+    graph: LayerGraph
+    batch_size: int
+    differentiable: set[int]
+
+    def of(self, tensors: Sequence[keras.KerasTensor]) -> int:
+        return sum(tensor_bytes(t.shape, t.dtype, self.batch_size) for t in tensors)
+
+    def floating(self, tensors: Sequence[keras.KerasTensor]) -> int:
+        return self.of([t for t in tensors if keras.backend.is_float_dtype(t.dtype)])
+
+    def gradients(self, tensors: Sequence[keras.KerasTensor]) -> int:
+        return self.of([t for t in tensors if id(t) in self.differentiable])
+
+
+def _keeps_all_gradients(optimizer: Any) -> bool:
+    """Whether `optimizer` needs every gradient before any update."""
+    if optimizer is None:
+        return False
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return True
+    return bool(
+        getattr(optimizer, "global_clipnorm", None)
+        or getattr(optimizer, "gradient_accumulation_steps", None)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _WeightGradients:
+    per_link: list[int]  # bytes of the weight gradients each link's backward makes
+    update_workspace: int  # `Chain.update_workspace_bytes` under an optimizer keeping all
+
+
+def _weight_gradients(
+    graph: LayerGraph, link_of: list[int], n: int, *, keep_all: bool
+) -> _WeightGradients:
+    """NOTE [ Parameter gradients ]
+
+    In a compiled step each variable's update runs as soon as its gradient
+    exists, unless the optimizer needs all gradients first (global norm
+    clipping, loss scaling, gradient accumulation). So by default a link's
+    weight gradients are applied ones (`Chain.applied_grad_bytes`): alive
+    through the backward of the next `Chain.UPDATE_LAG` links, and through
+    the rest of its segment's backward when the link is recomputed (NOTE
+    [ Variable gradients wait for the whole backward ]); with such an
+    optimizer they stay live until the step's end (`Chain.kept_grad_bytes`).
+    Such an optimizer then makes new tensors of the gradients (the clipped
+    or unscaled ones, and the squares of a global norm) as it updates, a few
+    at a time: counted as the largest `Chain.UPDATE_LAG` gradients, the
+    updates in flight at once (`Chain.update_workspace_bytes`). A variable
+    used by several calls gets its gradient at its last call's link.
+    tests/costs/test_profile.py test_parameter_gradients_follow_the_optimizer checks
+    both against traced steps of 8 Dense(2048) (128 MiB of weights).
+    """
+    per_link = [0] * n
+    last_call: dict[int, tuple[int, Any]] = {}
+    for index, call in enumerate(graph.calls):
+        for variable in trainable_variables(call.layer):
+            last_call[id(variable)] = (index, variable)
+    variable_grads = []
+    for index, variable in last_call.values():
+        variable_grads.append(tensor_bytes(variable.shape, variable.dtype, 1))
+        per_link[link_of[index]] += variable_grads[-1]
+    largest = sorted(variable_grads, reverse=True)[: strategies.Chain.UPDATE_LAG]
+    return _WeightGradients(per_link, sum(largest) if keep_all else 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Skips:
+    carries: list[tuple[int, int, int]]
+    carry_grads: list[tuple[int, int, int]]
+    carried_in: set[tuple[int, int]]  # (tensor id, consuming link) of each carry
+
+
+def _carries(graph: LayerGraph, link_of: list[int], n: int, sizes: _Sizes) -> _Skips:
+    """Skip connections: tensors used beyond the next link.
+
+    A tensor used beyond the next link (a residual shortcut, a long skip) is
+    an extra output of any segment that makes it but ends before its use.
+    Its gradient (when it has one) is made by the backward of its last
+    consumer and lives until the backward of its producer.
+    """
+    skips = _Skips([], [], set())
+    for key, info in graph.tensors.items():
+        if info.producer < 0:
+            continue
+        producer = link_of[info.producer]
+        last = n if info.is_output else link_of[info.last_use]
+        if last >= producer + 2:
+            size = sizes.of([info.tensor])
+            skips.carries.append((producer, last, size))
+            skips.carried_in.update((key, link_of[c]) for c in info.consumers)
+            if key in sizes.differentiable:
+                skips.carry_grads.append((producer, last, size))
+    return skips
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reads:
+    memories: list[CallMemory]  # per call, what its backward keeps and reads
+    needed: set[int]  # ids of the tensors some backward reads
+    seconds: list[float] | None = None  # per call, its measured forward time
+
+
+@dataclasses.dataclass(frozen=True)
+class _LinkCosts:
+    name: str
+    output: int
+    saved: int
+    workspace: int
+    input_grad: int
+    input_copy: int
+    forward_cost: float
+
+
+def _link_costs(
+    graph: LayerGraph,
+    links: list[tuple[int, int]],
+    reads: _Reads,
+    sizes: _Sizes,
+    skips: _Skips,
+) -> list[_LinkCosts]:
+    """The per-link numbers of the chain, link by link.
+
+    `x_k`, the chain's activation between link `k - 1` and link `k`, is the
+    tensors link `k - 1` hands on (the model's inputs for `k = 0`). A link
+    saves what its calls keep inside and each of its outputs some backward
+    reads, and at least its output.
+    """
+    names = graph.names
+    boundary = list(graph.inputs)
+    costs = []
+    for link, (first, stop) in enumerate(links):
+        live_in, live_out = graph.segment_io(first, stop)
+        input_grad = _input_gradient(sizes, boundary, set(live_in))
+        input_copy = _input_copy(sizes, boundary)
+        boundary = [graph.tensors[key].tensor for key in live_out]
+        output = sizes.of(boundary)
+        calls = range(first, stop)
+        read = [t for i in calls for t in graph.calls[i].outputs if id(t) in reads.needed]
+        saved = sum(reads.memories[i].kept_bytes for i in calls) + sizes.of(read)
+        costs.append(
+            _LinkCosts(
+                name="+".join(names[first:stop]),
+                output=output,
+                saved=max(saved, output),
+                workspace=_workspace(graph, link, calls, reads, sizes, skips, output + input_grad),
+                input_grad=input_grad,
+                input_copy=input_copy,
+                forward_cost=_forward_cost(graph, calls, reads, sizes.batch_size),
+            )
+        )
+    return costs
+
+
+def _input_gradient(sizes: _Sizes, boundary: list[keras.KerasTensor], reads: set[int]) -> int:
+    """NOTE [ A link that skips its chain input ]
+
+    The gradient a link makes for x_k covers only the tensors of x_k it
+    reads. ResNet's projection shortcut reads the block's input, not the
+    main path's last output, which only the Add after it reads: that
+    tensor's gradient is then a carry gradient, not this link's.
+    """
+    return sizes.gradients([t for t in boundary if id(t) in reads])
+
+
+def _input_copy(sizes: _Sizes, boundary: list[keras.KerasTensor]) -> int:
+    """NOTE [ The recompute's input copy ]
+
+    A block's recompute reads its floating inputs plus a zero that depends
+    on the incoming gradient (`layers/custom_gradient.py`), so that
+    TensorFlow cannot merge the recompute with the forward: a copy of them,
+    which the first layer's backward can keep until it runs. The chain
+    counts it as a copy of the floating tensors of x_k for a segment
+    starting at link k (`Chain.input_copy_bytes`), an approximation: the
+    block's inputs also hold the carries it reads (a long skip consumed
+    inside), and not the tensors of x_k that only pass it by.
+    tests/costs/test_profile.py test_the_recompute_copies_its_input checks it
+    against traced steps.
+    """
+    return sizes.floating(boundary)
+
+
+def _workspace(
+    graph: LayerGraph,
+    link: int,
+    calls: range,
+    reads: _Reads,
+    sizes: _Sizes,
+    skips: _Skips,
+    link_gradients: int,
+) -> int:
+    """NOTE [ Backward inside a link ]
+
+    The chain sees a link's backward as one moment with the gradients of
+    its output and input live. Inside a link of several calls, one call's
+    backward holds the gradients of that call's own outputs and inputs,
+    which can be larger (an up-sampling merged with the concatenation
+    after it: the gradient of the up-sampled tensor is 4x the link's
+    input). The excess over the link's gradients counts as workspace.
+    Carried inputs are left out: their gradients are `carry_grads`.
+    `link_gradients` are the link's: of its output and of its input.
+    """
+    workspace = 0
+    for i in calls:
+        call = graph.calls[i]
+        inputs = [t for t in call.tensor_args if (id(t), link) not in skips.carried_in]
+        own = sizes.gradients(call.outputs) + sizes.gradients(inputs) - link_gradients
+        workspace = max(workspace, reads.memories[i].workspace_bytes + max(own, 0))
+    return workspace
+
+
+def _forward_cost(graph: LayerGraph, calls: range, reads: _Reads, batch_size: int) -> float:
+    """A link's forward cost: its calls' measured seconds, else their estimated FLOPs."""
+    if reads.seconds is not None:
+        return sum(reads.seconds[i] for i in calls)
+    return sum(_estimated_flops(graph.calls[i], batch_size) for i in calls)
+
+
+def _estimated_flops(call: Any, batch_size: int) -> float:
+    """Forward FLOPs of a call, estimated from its weights and output size.
+
+    A layer with weights does about 2 * weights multiply-adds per output
+    position (Dense, convolutions, attention projections); a layer without
+    weights (or a lookup like Embedding) about one operation per output element.
+    """
+    outputs = call.outputs
+    elements = sum(math.prod(batch_size if d is None else d for d in o.shape) for o in outputs)
+    weights = sum(math.prod(v.shape) for v in trainable_variables(call.layer))
+    if not weights or isinstance(call.layer, keras.layers.Embedding) or not outputs:
+        return float(max(elements, 1))
+    channels = outputs[0].shape[-1] or 1
+    return float(2 * weights * max(elements // channels, 1))
+
+
+def _max_stops(
+    graph: LayerGraph, links: list[tuple[int, int]], sizes: _Sizes, where: Selection | None
+) -> list[int]:
+    """`Chain.max_stop`: which links a segment may hold.
+
+    A run of graph calls of one region may be one block (a region that
+    something else calls too is not rebuilt); a subclassed layer's sub-layer
+    call only alone, and only if nothing else calls its layer (it is
+    checkpointed in place); glue and blocks already in the model never; with
+    `where`, only the selected calls, each alone. A link that no gradient
+    reaches (a weightless prefix: input rescaling, padding) gains nothing
+    from a recompute and is never recomputed.
+    """
+    stops = _call_stops(graph.calls, where)
+    limits = []
+    for s, (first, stop) in enumerate(links):
+        reached = any(
+            trainable_variables(graph.calls[i].layer)
+            or any(id(t) in sizes.differentiable for t in graph.calls[i].outputs)
+            for i in range(first, stop)
+        )
+        e = s
+        while reached and e < len(links) and links[e][1] <= stops[first]:
+            e += 1
+        limits.append(e)
+    return limits
+
+
+def _call_stops(calls: list[Call], where: Selection | None) -> list[int]:
+    """Per call, the largest stop of a range of calls starting there that may be one block."""
+    counts: dict[int, int] = {}
+    for call in calls:
+        counts[id(call.layer)] = counts.get(id(call.layer), 0) + 1
+
+    def recomputable(call: Call) -> bool:
+        if call.glue or isinstance(call.layer, RecomputeBlock):
+            return False
+        if call.in_place:  # checkpointed in place: a layer nothing else calls
+            return isinstance(call.layer, keras.layers.Layer) and counts[id(call.layer)] == 1
+        return call.region is not None and call.region.alone
+
+    def joinable(i: int) -> bool:
+        return not calls[i].in_place and recomputable(calls[i])
+
+    stops = [0] * len(calls)
+    run_end = len(calls)
+    for i in range(len(calls) - 1, -1, -1):
+        call = calls[i]
+        if not joinable(i):
+            run_end = i
+        elif i + 1 == len(calls) or not joinable(i + 1) or calls[i + 1].region is not call.region:
+            run_end = i + 1
+        if not recomputable(call) or (where is not None and not selected(where, call.layer)):
+            stops[i] = i
+        elif call.in_place or where is not None:
+            stops[i] = i + 1
+        else:
+            stops[i] = run_end
+    return stops

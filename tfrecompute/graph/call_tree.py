@@ -1,0 +1,222 @@
+"""The call tree of a model: every layer and operation call of one traced forward.
+
+`trace_model(model, inputs)` calls the model once in training mode inside a
+`tf.function` trace (nothing runs) on placeholders of the given specs, and
+records each call Keras makes through `Layer.__call__` or
+`Operation.__call__`: the model's own call at the root, a Functional model's
+node calls below it, a subclassed layer's sub-layer calls below that, and so
+on. Each call keeps the arguments as its caller passed them, the tensors its
+`call` received after Keras's conversions, and its outputs, all graph tensors
+of the one trace, so a tensor passed from one call to another is the same
+object in both. `tfrecompute.graph.layer_graph` turns the tree into a `LayerGraph`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from tfrecompute._keras_internals import is_functional, recording_calls
+from tfrecompute._messages import fail, received
+from tfrecompute.graph.layer_graph import declared_input
+
+__all__ = ["TracedCall", "flat_tensors", "input_specs", "is_traced_tensor", "trace_model"]
+
+
+@dataclasses.dataclass(eq=False)
+class TracedCall:
+    """One recorded call.
+
+    Attributes:
+        operation: the layer or operation called.
+        args, kwargs: the arguments as the caller passed them.
+        received: for a layer, the `(args, kwargs)` its `call` received after
+            Keras converted them; the caller's for a plain operation.
+        outputs: what the call returned.
+        children: the calls made while this one ran, in order.
+    """
+
+    operation: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    received: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+    outputs: Any = None
+    children: list[TracedCall] = dataclasses.field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return str(getattr(self.operation, "name", type(self.operation).__name__))
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.root: TracedCall | None = None
+        self.stack: list[TracedCall] = []
+
+    def enter(self, operation: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> TracedCall:
+        call = TracedCall(operation, args, dict(kwargs))
+        if self.stack:
+            self.stack[-1].children.append(call)
+        elif self.root is None:
+            self.root = call
+        self.stack.append(call)
+        return call
+
+    def received(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.stack and self.stack[-1].received is None:
+            self.stack[-1].received = (args, dict(kwargs))
+
+    def exit(self, call: TracedCall, outputs: Any) -> None:
+        call.outputs = outputs
+        if call.received is None:
+            call.received = (call.args, call.kwargs)
+        while self.stack and self.stack.pop() is not call:
+            pass
+
+
+def is_traced_tensor(value: Any) -> bool:
+    """Whether `value` is a tensor a traced call computes with, not a variable.
+
+    Layers pass variables too (CLIP's embedding layer is called on its
+    `position_ids` weight); a variable is state, not an activation, and Keras
+    variables have no `ref()`.
+    """
+    return tf.is_tensor(value) and not isinstance(value, (keras.Variable, tf.Variable))
+
+
+def flat_tensors(structure: Any) -> list[tf.Tensor]:
+    """The tensors in a nested structure, in flatten order (variables and other leaves left out)."""
+    return [t for t in keras.tree.flatten(structure) if is_traced_tensor(t)]
+
+
+def trace_model(model: keras.Model, inputs: Any, *, api: str = "profile") -> TracedCall:
+    """Traces `model(inputs, training=True)` without running it; returns the root call.
+
+    Args:
+        model: any built Keras model.
+        inputs: a structure of `tf.TensorSpec`s, as the model is called with.
+
+    Raises:
+        ValueError: the model's call cannot be traced; names the layer whose
+            call raised and the cause.
+    """
+    recorder = _Recorder()
+
+    def forward(values: Any) -> Any:
+        with recording_calls(recorder):
+            return model(values, training=True)
+
+    try:
+        tf.function(forward, autograph=False).get_concrete_function(inputs)
+    except Exception as error:
+        where = recorder.stack[-1].name if recorder.stack else model.name
+        raise ValueError(
+            f"{api}: the model's call cannot be traced symbolically (on graph tensors of the "
+            f"sample's shapes, in training mode): layer {where!r} raised "
+            f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error) else ''}"
+            f" {received('model', model, by_name=True)}. Make that call traceable by "
+            "tf.function (no Python branches on tensor values, no .numpy()), or wrap its "
+            "traceable parts in tfrecompute.RecomputeBlock yourself."
+        ) from error
+    assert recorder.root is not None
+    return recorder.root
+
+
+def input_specs(api: str, model: keras.Model, sample: Any, batch_size: int | None) -> Any:
+    """The specs to trace `model` with: from a sample batch, or the model's declared inputs.
+
+    Args:
+        api: the public function, for error messages.
+        model: the model.
+        sample: None, or a batch as passed to `model(...)` (an array, or a
+            list or dict of them), or `(x, y)` / `(x, y, sample_weight)` as
+            passed to `fit`, of which `x` is taken.
+        batch_size: the batch size to trace at: replaces the sample's leading
+            dimension, or the model inputs' unknown one (1 when None).
+
+    Returns:
+        A structure of `tf.TensorSpec`s shaped like the model's input.
+    """
+    if sample is None:
+        if not is_functional(model) or not model.built or not model.inputs:
+            fail(
+                api,
+                "a subclassed or unbuilt model has no declared inputs to trace it with",
+                "model",
+                model,
+                "Pass sample=<one batch as you call the model with>",
+                error=ValueError,
+                by_name=True,
+            )
+        x = declared_input(model)
+        for tensor in model.inputs:
+            if None in tuple(tensor.shape)[1:]:
+                fail(
+                    api,
+                    f"the model input {tensor.name!r} has shape {tuple(tensor.shape)}, and "
+                    "every dimension but the batch must be known, since activation bytes come "
+                    "from shapes",
+                    "model",
+                    model,
+                    "Pass sample=<one batch at the shape you train at> (e.g. token ids of "
+                    "your sequence length), or give the inputs fixed shapes",
+                    by_name=True,
+                )
+    else:
+        x = sample[0] if isinstance(sample, tuple) and len(sample) in (2, 3) else sample
+
+    def spec(value: Any) -> tf.TensorSpec:
+        shape = list(value.shape)
+        if shape and (batch_size is not None or shape[0] is None):
+            shape[0] = batch_size or 1
+        dtype = keras.backend.standardize_dtype(value.dtype)
+        return tf.TensorSpec(shape, dtype)
+
+    try:
+        specs = keras.tree.map_structure(spec, x)
+    except (AttributeError, TypeError) as error:
+        fail(
+            api,
+            f"the sample is not a batch of arrays ({type(error).__name__}: {error})",
+            "sample",
+            sample,
+            "Pass one batch as you call the model with: an array, a list or a dict of "
+            "arrays, or (x, y) as passed to fit",
+            error=TypeError,
+        )
+    if sample is not None and is_functional(model) and model.built and model.inputs:
+        _check_against_inputs(api, model, specs, sample)
+    return specs
+
+
+def _check_against_inputs(api: str, model: keras.Model, specs: Any, sample: Any) -> None:
+    """Raises unless the sample's structure, ranks and known dimensions fit the model's inputs."""
+    declared = declared_input(model)
+    try:
+        keras.tree.assert_same_structure(specs, declared)
+        pairs = list(zip(keras.tree.flatten(specs), keras.tree.flatten(declared)))
+    except (TypeError, ValueError) as error:
+        fail(
+            api,
+            f"the sample's structure does not match the model's inputs ({error})",
+            "sample",
+            sample,
+            "Pass the inputs in the structure the model takes (the same dict keys or list "
+            "length), or (x, y) as passed to fit",
+        )
+    for got, want in pairs:
+        fits = len(got.shape) == len(want.shape) and all(
+            w is None or g == w for g, w in zip(list(got.shape)[1:], list(want.shape)[1:])
+        )
+        if not fits:
+            fail(
+                api,
+                f"a sample input of shape {tuple(got.shape)} does not fit the model input "
+                f"{want.name!r} of shape {tuple(want.shape)}",
+                "sample",
+                sample,
+                "Pass a batch of the shape the model takes",
+            )

@@ -1,0 +1,395 @@
+"""Checkpoint whole models: `plan` and `recompute` (orchestration only).
+
+`plan` profiles the model (`tfrecompute.costs.profile`) and runs a strategy on its
+chain; `recompute` applies a plan (`tfrecompute.rewrite.apply`). A plan made by
+`plan` or on a chain from `profile` knows the model's calls through its
+chain's `source`, so `recompute(model, plan)` does not profile again.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import keras
+
+from tfrecompute import strategies
+from tfrecompute._messages import as_bool, fail
+from tfrecompute.check.verified_plan import VerifiedPlan, planner
+from tfrecompute.check.verified_plan import verify as verify_plan
+from tfrecompute.costs.profile import (
+    COMPILED,
+    ProfiledModel,
+    batch_of,
+    check_batch_size,
+    check_model,
+    profile_graph,
+    profiled_model,
+    traced_graph,
+)
+from tfrecompute.layers.attention import attention_layers, checkpoint_attention
+from tfrecompute.layers.in_place import Checkpoints, record, remove
+from tfrecompute.layers.policy import resolve_policy
+from tfrecompute.rewrite.apply import apply, block_policies
+
+__all__ = ["plan", "recompute"]
+
+StrategyLike = str | Callable[..., strategies.Plan] | strategies.Plan
+
+
+def _resolve_plan(api: str, model: keras.Model, strategy: Any, options: dict[str, Any]) -> tuple[
+    strategies.Plan, ProfiledModel
+]:  # fmt: skip
+    """The plan to apply, and the profile of the model's calls it refers to."""
+    budget, batch_size, sample = options["budget"], options["batch_size"], options["sample"]
+    if budget is not None and batch_size is None and sample is None:
+        check_batch_size(api, None, required_for="a memory budget")
+    if isinstance(strategy, strategies.Plan):
+        for name in ("budget", "headroom", "where", "depth"):
+            if options[name] is not None:
+                fail(
+                    api,
+                    f"a Plan already fixes the segments, so a {name} has no effect",
+                    name,
+                    options[name],
+                    "Pass either a Plan or a strategy name with a budget",
+                )
+        return strategy, _profile_of_plan(api, model, strategy, sample, batch_size)
+    chosen = _default_strategy(options["where"]) if strategy is None else strategies.get(strategy)
+    # Without a batch size or a sample the bytes are those of one sample: the
+    # proportions, which is all a budget-free strategy needs.
+    graph = traced_graph(
+        api, model, sample, batch_size, depth=options["depth"], where=options["where"]
+    )
+    chain = profile_graph(
+        graph, batch_of(graph), COMPILED, where=options["where"], policy=options.get("policy")
+    )
+    made = strategies.plan_within(api, chosen, chain, budget, options["headroom"])
+    _warn_if_it_saves_nothing(api, made, named=strategy is not None)
+    profiled = profiled_model(made.chain, model)
+    assert profiled is not None  # strategies plan the chain they are given
+    return made, profiled
+
+
+def _verified(api: str, model: keras.Model, strategy: Any, options: dict[str, Any]) -> VerifiedPlan:
+    """`recompute(..., verify=True)`: a plan measured to fit the budget."""
+    if options["budget"] is None or isinstance(strategy, strategies.Plan):
+        fail(
+            api,
+            "verify=True measures a plan made for a budget, so it needs a budget and a "
+            "strategy, not a Plan",
+            "budget",
+            options["budget"],
+            'Pass budget= (e.g. budget="1GiB") and a strategy name, or verify=False',
+        )
+    if options["headroom"] is not None:
+        fail(
+            api,
+            "verify=True takes its headroom from the measured step",
+            "headroom",
+            options["headroom"],
+            "Leave headroom=None, or pass verify=False",
+        )
+    made = planner(
+        api,
+        model,
+        options["sample"],
+        strategy or _default_strategy(options["where"]),
+        depth=options["depth"],
+        where=options["where"],
+        policy=options["policy"],
+    )
+    return verify_plan(made, options["budget"])
+
+
+def _default_strategy(where: Any) -> strategies.Strategy:
+    """NOTE [ The default strategy ]
+
+    `optimal`: under a budget the least recompute that fits it, without one
+    the least peak any plan reaches, at the least recompute for that peak:
+    never a plan that another beats on both. With `where` and no budget,
+    every selected call recomputed, one block each (`uniform(1)` within
+    `Chain.max_stop`), as `apply_activation_checkpointing` does; with a
+    budget, `optimal` chooses among the selected calls.
+    """
+    optimal = strategies.optimal
+    if where is None:
+        return optimal
+
+    def selected(chain: strategies.Chain, budget: Any = None) -> strategies.Plan:
+        if budget is not None:
+            return optimal(chain, budget)
+        return strategies.uniform(1)(chain)
+
+    return selected
+
+
+def _warn_if_it_saves_nothing(api: str, plan: strategies.Plan, *, named: bool) -> None:
+    """Warns when the plan's predicted peak is not below storing everything.
+
+    The default strategy reaches the least peak, so it warns only when no plan
+    beats storing everything, naming the link that holds most. A named
+    strategy (`sqrt`, `uniform`) cuts by link count, not by bytes: on a short
+    chain of wide layers its segments can hold the largest activations anyway,
+    and it warns when its plan recomputes for no predicted saving.
+    """
+    chain = plan.chain
+    stored = strategies.none(chain).peak_bytes
+    if plan.peak_bytes < stored or (named and not plan.segments):
+        return
+    least = strategies.min_peak(chain)
+    if named:
+        fix = (
+            f"Drop the strategy name: the default strategy predicts {strategies.format_size(least)}"
+            if least < stored
+            else "No plan predicts less for this model: leave it as it is (strategy='none')"
+        )
+        warnings.warn(
+            f"{api}: plan {plan.strategy!r} predicts a peak of "
+            f"{strategies.format_size(plan.peak_bytes)}, not below storing everything "
+            f"({strategies.format_size(stored)}): it recomputes "
+            f"{plan.recompute_cost / max(chain.total_forward_cost, 1e-30):.0%} of a forward "
+            f"pass and saves no memory. {fix}.",
+            stacklevel=3,
+        )
+    elif least >= stored:
+        largest = max(range(chain.n), key=lambda i: chain.saved_bytes[i])
+        share = chain.saved_bytes[largest] / max(sum(chain.saved_bytes), 1)
+        warnings.warn(
+            f"{api}: no plan lowers this model's predicted peak below storing everything "
+            f"({strategies.format_size(stored)}). Link {chain.names[largest]!r} keeps "
+            f"{share:.0%} of the saved activations and cannot be split or recomputed here. "
+            "Look into it with depth= (or where= to pick its sub-layers), or leave the model "
+            "as it is.",
+            stacklevel=3,
+        )
+
+
+def _attention_only(api: str, model: keras.Model) -> keras.Model:
+    """`recompute(model, policy="attention")`: the attention cores, nothing else."""
+    check_model(api, model)
+    found = attention_layers([model])
+    if not found:
+        fail(
+            api,
+            "policy='attention' found no attention layer with a `_compute_attention` method "
+            "in the model, so it would checkpoint nothing",
+            "model",
+            model,
+            "Use it on models with keras.layers.MultiHeadAttention or keras-hub attention "
+            "layers, checkpoint a custom core with tfrecompute.checkpoint, or use another policy",
+        )
+    remove(model)
+    blocks = tuple(checkpoint_attention(layer) for layer in found)
+    record(model, Checkpoints(None, None, blocks, tuple(found)))
+    return model
+
+
+def _profile_of_plan(
+    api: str, model: keras.Model, plan: strategies.Plan, sample: Any, batch_size: Any
+) -> ProfiledModel:
+    """Which calls of `model` the links of `plan` are; profiles only a plan made elsewhere.
+
+    A plan on a chain `profile` made for this model carries the map. A plan on
+    any other chain (built by hand, or profiled from another model object)
+    applies if this model's chain has the same link names.
+    """
+    known = profiled_model(plan.chain, model)
+    if known is not None:
+        return known
+    graph = traced_graph(api, model, sample, batch_size)
+    chain = profile_graph(graph, batch_of(graph), COMPILED)
+    if plan.chain.names != chain.names:
+        fail(
+            api,
+            f"the plan was made for another model: its chain has {plan.chain.n} links "
+            f"({plan.chain.names[0]} ...), this model's has {chain.n} ({chain.names[0]} ...)",
+            "strategy",
+            plan,
+            "Make the plan with tfrecompute.plan(model, ...) for this model",
+        )
+    profiled = profiled_model(chain, model)
+    assert profiled is not None
+    return profiled
+
+
+_SHARED_ARGS = """
+        strategy: a strategy name (see `tfrecompute.strategies.available()`), a
+            strategy callable `(chain, budget=None) -> Plan`, or a `Plan` made
+            by `tfrecompute.plan` for this model. By default (None) `optimal`
+            (NOTE [ The default strategy ]): the least recompute under a
+            budget, else the least peak at the least recompute; with `where`
+            and no budget, every selected call its own block.
+        budget: the most memory the step may use, as the allocator counts it
+            (`measure_step`), in bytes or as a string like `"2GiB"`; needs
+            `batch_size` or `sample`.
+        batch_size: the training batch size; by default the sample's.
+        sample: one batch as the model is called with (an array, a list or
+            dict of arrays, or `(x, y)` as passed to `fit`): fixes unknown
+            input dimensions (keras-hub backbones take `(None, None)` token
+            ids) and is needed for a subclassed model. Only shapes and
+            dtypes are read.
+        headroom: the share of `budget` left for the allocator's rounding of
+            chunks: the predicted peak stays under `budget * (1 - headroom)`
+            (default `strategies.DEFAULT_HEADROOM`, 0.3; 0 plans to the
+            budget itself). Only with a budget.
+        depth: how many levels of nested calls to look into below the
+            model's own (None: as deep as they can be checkpointed; 0: the
+            model's own calls only).
+        where: make only the calls of these layers blocks, one block each: a
+            layer class, a tuple of classes, a list of layer names, or a
+            predicate `(layer) -> bool` (layers holding them are looked into).
+"""
+
+
+def plan(
+    model: keras.Model,
+    strategy: StrategyLike | None = None,
+    *,
+    budget: int | str | None = None,
+    batch_size: int | None = None,
+    sample: Any = None,
+    headroom: float | None = None,
+    depth: int | None = None,
+    where: Any = None,
+    policy: Any = None,
+) -> strategies.Plan:
+    """Plans which calls of a model to recompute, without changing the model.
+
+    Args:
+        model: a built Keras model: Sequential, Functional or subclassed.{shared}
+        policy: a recompute policy to plan with (see `RecomputeBlock`): links
+            get a third state, recomputed under it, which `optimal` weighs
+            against storing and recomputing whole (`Plan.selective`; other
+            strategies plan two states). Pass the same policy to
+            `recompute(model, plan, policy=...)`.
+    Returns:
+        The `Plan`; `plan.summary()` names the calls of each segment and gives
+        the predicted peak and recompute cost. `recompute(model, plan)`
+        applies it without profiling the model again.
+
+    Example:
+
+    ```python
+    p = tfrecompute.plan(model, budget="1GiB", batch_size=64)
+    print(p.summary())
+    ```
+    """
+    options = {
+        "budget": budget,
+        "batch_size": batch_size,
+        "sample": sample,
+        "headroom": headroom,
+        "depth": depth,
+        "where": where,
+        "policy": policy,
+    }
+    resolve_policy("plan", policy)
+    chosen, _ = _resolve_plan("plan", model, strategy, options)
+    return chosen
+
+
+def recompute(
+    model: keras.Model,
+    strategy: StrategyLike | None = None,
+    *,
+    budget: int | str | None = None,
+    batch_size: int | None = None,
+    sample: Any = None,
+    headroom: float | None = None,
+    depth: int | None = None,
+    where: Any = None,
+    policy: Any = None,
+    verify: bool = False,
+) -> keras.Model:
+    """Checkpoints `model` itself: the plan's calls are recomputed in backprop.
+
+    Checkpointing changes how the model runs, never what it is (NOTE [ A
+    checkpointed model is the model ] in `tfrecompute/layers/in_place.py`):
+    the same model object comes back, with its layers, variables, weight
+    paths and config; `model.save`, `save_weights`, `tf.train.Checkpoint`,
+    `model.export` and every callback see the model as it was, and weights
+    move between it and the same model without checkpointing. How it runs:
+
+    * calls of a Sequential or Functional graph (nested Functional models
+      included, inlined; a keras-hub task's backbone): the model's call runs
+      a rebuilt model that shares its layers, each segment a
+      `RecomputeBlock` around a Functional sub-model of its calls (a list of
+      layers in a Sequential); tensors that only pass by a segment (long
+      skip connections) go around its block. A keras-hub task stays the
+      task (`generate`, `score`, `backbone`, `enable_lora`).
+    * calls made by a subclassed layer's or model's code (the blocks of
+      keras-hub's `ViTEncoder`, a subclassed model's layers): checkpointed
+      where they are made, one call at a time. This changes those layer
+      objects wherever else they are used.
+
+    Calling `recompute` again replaces what the previous call applied;
+    `recompute(model, "none")` turns checkpointing off, and
+    `tfrecompute.checkpoints(model)` tells what is applied (the plan and
+    its blocks). A model loaded from a file is the model without
+    checkpointing: call `recompute` on it again (with the same plan, or the
+    same arguments). `fit`, `evaluate` and `predict` trace the model's call
+    again after each change.
+
+    Args:
+        model: a built Keras model: Sequential, Functional or subclassed.{shared}
+        policy: the recompute policy of the blocks (see `RecomputeBlock`):
+            None or "nothing" (recompute all), "dots" (keep the products with
+            a weight), or a function of a `tfrecompute.layers.OpInfo`. With
+            `optimal` (the default) the planner weighs it per segment against
+            recomputing whole (`Plan.selective`); with any other strategy
+            every block gets it. "attention" alone (no strategy, budget,
+            sample or plan): checkpoint exactly the attention core (scores,
+            mask, softmax, dropout, weighted sum) of every attention layer
+            and nothing else (Megatron-LM's selective recompute; NOTE
+            [ Attention core recompute ]), `checkpoints(model).plan` is None;
+            with a strategy or budget, "attention" is the third state: a
+            selective segment keeps everything but its attention cores.
+        verify: measure the plan instead of trusting a fixed headroom: with a
+            `budget` and a labelled `sample=(x, y)`, run the compiled train
+            step of the checkpointed model (`model` must be compiled), read
+            the allocator's peak and re-plan until the measured step fits
+            the budget and uses most of it (`tfrecompute.verified_plan`),
+            with the policy if one is given.
+    Returns:
+        `model` itself, checkpointed.
+
+    Example:
+
+    ```python
+    tfrecompute.recompute(model, budget="1GiB", batch_size=64)
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(x, y, batch_size=64)
+    model.save("model.keras")  # the model as defined: no blocks in the file
+    backbone = tfrecompute.recompute(keras_hub.models.BertBackbone(...), sample=batch)
+    ```
+    """
+    options = {
+        "budget": budget,
+        "batch_size": batch_size,
+        "sample": sample,
+        "headroom": headroom,
+        "depth": depth,
+        "where": where,
+        "policy": policy,
+    }
+    resolve_policy("recompute", policy)
+    alone = [value for name, value in options.items() if name != "policy" and value is not None]
+    if policy == "attention" and strategy is None and not alone and not verify:
+        return _attention_only("recompute", model)
+    if strategy == "none" and all(value is None for value in options.values()) and not verify:
+        check_model("recompute", model)
+        remove(model)  # storing everything: nothing to plan
+        return model
+    if as_bool("recompute", "verify", verify):
+        return _verified("recompute", model, strategy, options).model
+    chosen, profiled = _resolve_plan("recompute", model, strategy, options)
+    segments = profiled.call_segments(chosen.segments)
+    policies = block_policies("recompute", chosen, policy)
+    apply(profiled.graph, segments, plan=chosen, policies=policies)
+    return model
+
+
+plan.__doc__ = (plan.__doc__ or "").replace("{shared}", _SHARED_ARGS.rstrip() + "\n")
+recompute.__doc__ = (recompute.__doc__ or "").replace("{shared}", _SHARED_ARGS.rstrip() + "\n")
