@@ -137,6 +137,7 @@ def random_chain(rng: random.Random, n: int, *, scale: int = 1) -> Chain:
         input_copy_bytes=[rng.choice([a, 0]) for a in activations],
         update_workspace_bytes=rng.choice([0, 0, 4, 30]) * scale,
         max_stop=random_limits(rng, n),
+        applied_workspace_bytes=rng.choice([0, 0, 3, 20]) * scale,
     )
 
 
@@ -218,4 +219,5 @@ def chains(draw: hs.DrawFn, *, max_layers: int = 8, min_layers: int = 1) -> Chai
         input_copy_bytes=copies,
         update_workspace_bytes=draw(hs.sampled_from([0, 0, 6, 50])),
         max_stop=stops,
+        applied_workspace_bytes=draw(hs.sampled_from([0, 0, 5, 40])),
     )

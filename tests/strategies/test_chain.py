@@ -353,6 +353,26 @@ def test_update_workspace_counts_at_layer_0s_backward_only() -> None:
             Chain(3, [4], [4], [1.0], update_workspace_bytes=bad)
 
 
+def test_applied_workspace_counts_at_every_backward_and_recompute_moment() -> None:
+    """One update's temporaries, in flight beside whichever link's backward runs."""
+    plain = Chain(3, [4, 5, 6], [4, 5, 6], [1.0] * 3, applied_grad_bytes=[2, 2, 2])
+    assert plain.applied_workspace_bytes == 0
+    updating = dataclasses.replace(plain, applied_workspace_bytes=7)
+    assert updating != plain
+    backward, recompute = plain.live_gradients()
+    assert updating.live_gradients() == (
+        tuple(b + 7 for b in backward),
+        tuple(r + 7 for r in recompute),
+    )
+    # The forward never holds it; these plans all peak in the backward pass, so
+    # each peak rises by the same 7 bytes.
+    for segments in ([], [(0, 2)], [(1, 3)], [(0, 3)]):
+        assert simulate(updating, segments).peak_bytes == simulate(plain, segments).peak_bytes + 7
+    for bad, error in ((-1, ValueError), (2.5, ValueError), (False, TypeError)):
+        with pytest.raises(error, match=r"^Chain: `?applied_workspace_bytes"):
+            Chain(3, [4], [4], [1.0], applied_workspace_bytes=bad)
+
+
 def test_update_grad_bytes_default_to_zeros_and_are_compared() -> None:
     chain = Chain(3, [4, 5, 6], [4, 5, 6], [1.0] * 3)
     assert chain.applied_grad_bytes == (0, 0, 0)

@@ -78,6 +78,12 @@ class Chain:
             all alive (default 0): the copies an optimizer that needs all
             gradients makes of them (clipped or unscaled gradients). The step's
             end is folded into link 0's backward pass, so they count there.
+        applied_workspace_bytes: transient bytes of one update of an
+            optimizer that applies gradients as they come (default 0): the
+            temporaries it makes for the largest variable (Adam's square of
+            the gradient and root of its second moment, about twice the
+            variable). Updates run alongside the backward pass, so they count
+            at every backward and recompute moment.
         max_stop: `max_stop[s]` is the largest stop of a segment starting at
             link `s`: `[s, e)` may be recomputed as one block only if `e <=
             max_stop[s]`, and `max_stop[s] == s` means link `s` cannot be
@@ -132,6 +138,7 @@ class Chain:
     input_copy_bytes: tuple[int, ...]
     update_workspace_bytes: int
     max_stop: tuple[int, ...]
+    applied_workspace_bytes: int = 0
     policy_kept_bytes: tuple[int, ...] | None = None
     policy_forward_cost: tuple[float, ...] | None = None
     source: object = field(default=None, compare=False, repr=False)
@@ -155,6 +162,7 @@ class Chain:
         input_copy_bytes: Iterable[int] | None = None,
         update_workspace_bytes: int = 0,
         max_stop: Iterable[int] | None = None,
+        applied_workspace_bytes: int = 0,
         policy_kept_bytes: Iterable[int] | None = None,
         policy_forward_cost: Iterable[float] | None = None,
         source: object = None,
@@ -213,6 +221,9 @@ class Chain:
                 _API, "update_workspace_bytes", update_workspace_bytes
             ),
             "max_stop": _max_stop(max_stop, n),
+            "applied_workspace_bytes": as_byte_count(
+                _API, "applied_workspace_bytes", applied_workspace_bytes
+            ),
             **_policy_costs(policy_kept_bytes, policy_forward_cost, n),
             "source": source,
         }
@@ -290,7 +301,8 @@ class Chain:
         0's backward pass). `recompute[e]` (for `e` in `0..n`) is what is
         alive while a segment ending at `e` runs forward again (after the
         backward pass of link `e`) besides the gradient of `x_e`: `G_e`, plus
-        the `carry_grads` with `i + 1 < e <= j`. See
+        the `carry_grads` with `i + 1 < e <= j`. Both count
+        `applied_workspace_bytes` at every moment (an update in flight). See
         `tfrecompute.strategies.simulate`.
 
         Example:
@@ -312,8 +324,11 @@ class Chain:
             between[j + 1] -= size
         at[0] += self.update_workspace_bytes
         at[1] -= self.update_workspace_bytes
-        backward = tuple(g + c for g, c in zip(params, itertools.accumulate(at[:n])))
-        recompute = tuple(g + c for g, c in zip(params, itertools.accumulate(between[: n + 1])))
+        update = self.applied_workspace_bytes
+        backward = tuple(g + c + update for g, c in zip(params, itertools.accumulate(at[:n])))
+        recompute = tuple(
+            g + c + update for g, c in zip(params, itertools.accumulate(between[: n + 1]))
+        )
         return backward, recompute
 
 

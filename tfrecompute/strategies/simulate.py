@@ -36,7 +36,9 @@ Four terms come from `carries`, `kept_grad_bytes`, `carry_grads` and
   `R_e` is alive while a segment ending at `e` runs forward again, after the
   backward pass of link `e`: the parameter gradients of links `e..n-1` plus
   the `carry_grads` with `i + 1 < e <= j`. Both add to backward-phase moments
-  only.
+  only, and both count `applied_workspace_bytes`: the temporaries of an
+  update of an optimizer that applies gradients as they come, in flight
+  beside any backward moment.
 * `U(j, e)`: the applied parameter gradients (`applied_grad_bytes`, `u_i`)
   alive at the backward pass of link `j` of an element ending at `e`. The
   gradient of link `i` lives from its backward pass through those of the
