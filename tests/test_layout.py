@@ -59,6 +59,7 @@ ORDER = [
     "tfrecompute.costs.call_memory",
     "tfrecompute.costs.policy_state",
     "tfrecompute.costs.measured",
+    "tfrecompute.costs.optimizer",
     "tfrecompute.costs.profile",
     "tfrecompute.rewrite",
     "tfrecompute.rewrite.apply",

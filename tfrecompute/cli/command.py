@@ -616,7 +616,8 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     elif any(chain.applied_grad_bytes):
         print(
             f"Weight gradients (grads): each updated during the backward of the next "
-            f"{chain.UPDATE_LAG} links,\nor at the end of its segment's backward when recomputed"
+            f"{chain.UPDATE_LAG} links,\nor at the end of its segment's backward when "
+            f"recomputed; {fmt(chain.applied_workspace_bytes)} of temporaries per update"
         )
     none = strategies.none(chain)
     print(

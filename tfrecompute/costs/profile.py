@@ -25,6 +25,7 @@ from tfrecompute._keras_internals import all_sublayers, outside_strategy_scope
 from tfrecompute._messages import as_bool, as_count, as_positive_int, fail
 from tfrecompute.costs.call_memory import CallMemory, call_memory
 from tfrecompute.costs.measured import corrected, measure_call
+from tfrecompute.costs.optimizer import compiled_or_adam, optimizer_costs
 from tfrecompute.costs.policy_state import kept_products, policy_link_costs
 from tfrecompute.graph.call_tree import input_specs, trace_model
 from tfrecompute.graph.expand import Selection, expand, selected, selection
@@ -46,7 +47,8 @@ __all__ = [
 ]
 
 COMPILED: Any = "compiled"
-"""`profile(..., optimizer=COMPILED)`: model the optimizer the model was compiled with."""
+"""`profile(..., optimizer=COMPILED)`: model the optimizer the model was compiled with (Adam
+if not compiled)."""
 
 Progress = Callable[[int, int], None]
 
@@ -120,8 +122,12 @@ def profile(
             one that needs all of them before any update (global norm
             clipping, a `LossScaleOptimizer`, gradient accumulation) keeps
             them until the step's end; any other applies each as it is
-            computed. By default the optimizer the model was compiled with
-            (none if it is not compiled: gradients applied as computed).
+            computed. Its updates' temporaries are measured once per
+            optimizer configuration (NOTE [ The optimizer's update
+            workspace ] in `tfrecompute.costs.optimizer`). By default the
+            optimizer the model was compiled with, or Adam if it is not
+            compiled yet; None models none (gradients applied as computed,
+            no temporaries).
         depth: how many levels of nested calls to look into below the
             model's own (None: as deep as they can be checkpointed; 0: the
             model's own calls only).
@@ -287,9 +293,8 @@ def _profile_graph(
         link_of[first:stop] = [link] * (stop - first)
     sizes = _Sizes(graph, batch_size, _differentiable(graph))
     if optimizer is COMPILED:
-        optimizer = getattr(graph.model, "optimizer", None)
-    keep_all = _keeps_all_gradients(optimizer)
-    weights = _weight_gradients(graph, link_of, len(links), keep_all=keep_all)
+        optimizer = compiled_or_adam(graph.model)
+    updates = optimizer_costs(graph, link_of, len(links), optimizer)
     skips = _carries(graph, link_of, len(links), sizes)
     per_link = _link_costs(graph, links, _Reads(memories, needed, seconds), sizes, skips)
     forward = [c.forward_cost for c in per_link]
@@ -314,13 +319,14 @@ def _profile_graph(
         [c.saved for c in per_link],
         forward,
         workspace_bytes=[c.workspace for c in per_link],
-        kept_grad_bytes=weights.per_link if keep_all else None,
-        applied_grad_bytes=None if keep_all else weights.per_link,
+        kept_grad_bytes=updates.kept_grad_bytes,
+        applied_grad_bytes=updates.applied_grad_bytes,
         carries=skips.carries,
         carry_grads=skips.carry_grads,
         input_grad_bytes=[c.input_grad for c in per_link],
         input_copy_bytes=[c.input_copy for c in per_link],
-        update_workspace_bytes=weights.update_workspace if keep_all else 0,
+        update_workspace_bytes=updates.update_workspace_bytes,
+        applied_workspace_bytes=updates.applied_workspace_bytes,
         names=[c.name for c in per_link],
         max_stop=_max_stops(graph, links, sizes, selection("profile", where)),
         policy_kept_bytes=kept,
@@ -560,58 +566,6 @@ class _Sizes:
 
     def gradients(self, tensors: Sequence[keras.KerasTensor]) -> int:
         return self.of([t for t in tensors if id(t) in self.differentiable])
-
-
-def _keeps_all_gradients(optimizer: Any) -> bool:
-    """Whether `optimizer` needs every gradient before any update."""
-    if optimizer is None:
-        return False
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        return True
-    return bool(
-        getattr(optimizer, "global_clipnorm", None)
-        or getattr(optimizer, "gradient_accumulation_steps", None)
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class _WeightGradients:
-    per_link: list[int]  # bytes of the weight gradients each link's backward makes
-    update_workspace: int  # `Chain.update_workspace_bytes` under an optimizer keeping all
-
-
-def _weight_gradients(
-    graph: LayerGraph, link_of: list[int], n: int, *, keep_all: bool
-) -> _WeightGradients:
-    """NOTE [ Parameter gradients ]
-
-    In a compiled step each variable's update runs as soon as its gradient
-    exists, unless the optimizer needs all gradients first (global norm
-    clipping, loss scaling, gradient accumulation). So by default a link's
-    weight gradients are applied ones (`Chain.applied_grad_bytes`): alive
-    through the backward of the next `Chain.UPDATE_LAG` links, and through
-    the rest of its segment's backward when the link is recomputed (NOTE
-    [ Variable gradients wait for the whole backward ]); with such an
-    optimizer they stay live until the step's end (`Chain.kept_grad_bytes`).
-    Such an optimizer then makes new tensors of the gradients (the clipped
-    or unscaled ones, and the squares of a global norm) as it updates, a few
-    at a time: counted as the largest `Chain.UPDATE_LAG` gradients, the
-    updates in flight at once (`Chain.update_workspace_bytes`). A variable
-    used by several calls gets its gradient at its last call's link.
-    tests/costs/test_profile.py test_parameter_gradients_follow_the_optimizer checks
-    both against traced steps of 8 Dense(2048) (128 MiB of weights).
-    """
-    per_link = [0] * n
-    last_call: dict[int, tuple[int, Any]] = {}
-    for index, call in enumerate(graph.calls):
-        for variable in trainable_variables(call.layer):
-            last_call[id(variable)] = (index, variable)
-    variable_grads = []
-    for index, variable in last_call.values():
-        variable_grads.append(tensor_bytes(variable.shape, variable.dtype, 1))
-        per_link[link_of[index]] += variable_grads[-1]
-    largest = sorted(variable_grads, reverse=True)[: strategies.Chain.UPDATE_LAG]
-    return _WeightGradients(per_link, sum(largest) if keep_all else 0)
 
 
 @dataclasses.dataclass(frozen=True)
