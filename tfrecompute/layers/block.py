@@ -296,6 +296,10 @@ class RecomputeBlock(keras.layers.Layer):
     _loss_owner: Any = None
     # The end of the error for a variable assigned inside that the block does not own.
     _foreign_state_fix = "Or keep that layer out of the block"
+    # Whether building warns of layers computing in different dtypes: a block
+    # placed by `recompute()` does not (what it holds is the model's own
+    # layer, which the user did not split; `check_precision` still reports it).
+    _warns_of_dtypes = True
 
     def __init__(
         self,
@@ -378,8 +382,9 @@ class RecomputeBlock(keras.layers.Layer):
             except Exception as error:  # retried with the real input dtypes in call()
                 self._build_error = error
         self.built = True
-        for finding in block_dtype_findings(self, self.name):
-            warnings.warn(str(finding), stacklevel=2)
+        if self._warns_of_dtypes:
+            for finding in block_dtype_findings(self, self.name):
+                warnings.warn(str(finding), stacklevel=2)
 
     def _build_inner_like(self, inputs: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Builds the inner layers by a symbolic call on specs of the real inputs."""

@@ -144,6 +144,8 @@ def _without_activity_regularizer(layer: Any) -> Iterator[None]:
 class _InPlaceBlock(RecomputeBlock):
     """A block around one layer whose own `call` routes here (never serialized)."""
 
+    _warns_of_dtypes = False  # placed by `recompute()` around the model's own layer
+
     def _run_inner(self, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         layer = self.inner[0]
         with _bypassed(layer), _without_activity_regularizer(layer):

@@ -199,6 +199,7 @@ def _rewrite_sequential(graph: LayerGraph, placement: _Placement, name: str) -> 
             block_layers = [graph.calls[k].layer for k in members]
             block_name = f"recompute_{placement.names[members[0]]}"
             block = RecomputeBlock(block_layers, policy=placement.policy_at[index], name=block_name)
+            block._warns_of_dtypes = False  # placed by the plan, not the user
             placement.blocks.append(block)
             layers.append(block)
         else:
@@ -262,6 +263,7 @@ def _apply_block(
     sub_model.supports_masking = True
     sub_model.compute_mask = _no_mask_of_its_own
     block = RecomputeBlock(sub_model, policy=placement.policy_at[start], name=name)
+    block._warns_of_dtypes = False  # placed by the plan, not the user
     placement.blocks.append(block)
     block_inputs = [mapping[key] for key in input_ids]
     results = block(block_inputs if len(block_inputs) != 1 else block_inputs[0])
