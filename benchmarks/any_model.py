@@ -1,10 +1,13 @@
 """recompute() on models nobody here designed: keras-hub backbones as built, subclassed code.
 
-For each model of `tests/any_models.py` (keras-hub BERT, GPT-2 and ViT
-backbones built from their constructors with random init, a subclassed
-transformer that loops over its blocks, a Functional model of subclassed
-layers that each hold a Sequential, a classifier calling a nested Functional
-backbone), at benchmark sizes:
+For models of `tests/any_models.py` (keras-hub BERT, GPT-2, ViT and CLIP
+backbones built from their constructors with random init, a
+subclassed transformer that loops over its blocks, a Functional model of
+subclassed layers that each hold a Sequential, a classifier calling a nested
+Functional backbone; SGD) and a few built here (a Llama with LoRA adapters,
+one under `mixed_bfloat16`, ResNet50V2 on 32x32 images at batch 2 and a
+2-layer decoder with a 32,000-token vocabulary, whose steps peak in the
+weights' updates; Adam), at benchmark sizes:
 
 * memory: the allocator peak one compiled training step added (`measure_step`)
   without recompute, with the default plan (`recompute(model, sample=...)`,
@@ -17,7 +20,7 @@ backbone), at benchmark sizes:
 
 Writes `any_model.json` and `any_model.md` to benchmarks/results/.
 
-    python benchmarks/any_model.py            # about 6 minutes
+    python benchmarks/any_model.py            # about 20 minutes
     python benchmarks/any_model.py --smoke    # small sizes, a temporary folder
 """
 
@@ -46,23 +49,94 @@ FULL = {
     "loop_transformer": {"layers": 6, "hidden": 128, "sequence": 128, "batch": 16},
     "towers": {"width": 1024, "batch": 512},
     "nested_backbone": {"width": 1024, "batch": 512},
+    "clip": {"layers": 4, "hidden": 128, "sequence": 77, "batch": 16},
+    "llama_lora": {"layers": 4, "hidden": 128, "sequence": 256, "batch": 4},
+    "llama_bfloat16": {"layers": 4, "hidden": 128, "sequence": 256, "batch": 4},
+    "resnet50v2_32px": {"batch": 2},
+    "qwen3_32k_vocab": {"layers": 2, "hidden": 128, "sequence": 32, "batch": 2},
 }
-SMOKE = {
-    "bert": {"layers": 2, "hidden": 64, "sequence": 64, "batch": 8},
-    "loop_transformer": {"layers": 2, "hidden": 64, "sequence": 64, "batch": 8},
-}
+SMOKE = {"bert": {"layers": 2, "hidden": 64, "sequence": 64, "batch": 8}}
 MiB = 2**20
 
 
-def _build(name: str, sizes: dict[str, int]) -> Any:
+def _llama_lora(**sizes: int) -> tuple[Any, Any, Any, str]:
+    """LoRA rank 4 on every decoder layer; the rest frozen."""
+    from tests import any_models
+
+    model, (x, y) = any_models.llama(**sizes)
+    model.enable_lora(4)
+    return model, x, y, "adam"
+
+
+def _llama_bfloat16(**sizes: int) -> tuple[Any, Any, Any, str]:
     import keras
 
     from tests import any_models
 
+    keras.config.set_dtype_policy("mixed_bfloat16")  # this worker's process only
+    model, (x, y) = any_models.llama(**sizes)
+    return model, x, y, "adam"
+
+
+def _resnet50v2_32px(batch: int) -> tuple[Any, Any, Any, str]:
+    """Weights beside tiny activations: the step peaks in Adam's updates."""
+    import keras
+    import numpy as np
+
+    model = keras.applications.ResNet50V2(weights=None, input_shape=(32, 32, 3), classes=10)
+    x = np.random.default_rng(0).random((batch, 32, 32, 3), dtype=np.float32)
+    return model, x, np.zeros((batch, 10), "float32"), "adam"
+
+
+def _qwen3_32k_vocab(layers: int, hidden: int, sequence: int, batch: int) -> Any:
+    """A 2-layer decoder and a 32,000-token head: the embeddings are most of the step."""
+    import keras
+    import keras_hub
+    import numpy as np
+
+    backbone = keras_hub.models.Qwen3Backbone(
+        vocabulary_size=32000, num_layers=layers, num_query_heads=4, num_key_value_heads=2,
+        head_dim=hidden // 4, hidden_dim=hidden, intermediate_dim=2 * hidden,
+    )  # fmt: skip
+    inputs = {
+        name: keras.Input((sequence,), dtype="int32", name=name)
+        for name in ("token_ids", "padding_mask")
+    }
+    model = keras.Model(inputs, keras.layers.Dense(32000)(backbone(inputs)))
+    rng = np.random.default_rng(0)
+    x = {
+        "token_ids": rng.integers(0, 32000, (batch, sequence)).astype("int32"),
+        "padding_mask": np.ones((batch, sequence), "int32"),
+    }
+    return model, x, np.zeros((batch, sequence, 32000), "float32"), "adam"
+
+
+# Models built here, each with the optimizer it is trained with; the others come
+# from tests/any_models.py and train with SGD.
+BUILDERS = {
+    "llama_lora": _llama_lora,
+    "llama_bfloat16": _llama_bfloat16,
+    "resnet50v2_32px": _resnet50v2_32px,
+    "qwen3_32k_vocab": _qwen3_32k_vocab,
+}
+
+
+def _build(name: str, sizes: dict[str, int]) -> Any:
+    import keras
+    import numpy as np
+
+    from tests import any_models
+
     keras.utils.set_random_seed(0)
-    model, (x, y) = any_models.MODELS[name](**sizes)
-    model(x)
-    model.compile(optimizer="sgd", loss="mse")
+    if name in BUILDERS:
+        model, x, y, optimizer = BUILDERS[name](**sizes)
+    else:
+        model, (x, y) = {**any_models.MODELS, **any_models.MORE_MODELS}[name](**sizes)
+        optimizer = "sgd"
+    outputs = model(x)
+    if y is None and name not in any_models.MODELS:  # targets for every output (CLIP: named)
+        y = keras.tree.map_structure(lambda t: np.zeros(t.shape, "float32"), outputs)
+    model.compile(optimizer=optimizer, loss="mse")
     return model, x, y
 
 
@@ -170,6 +244,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="small sizes, a temporary folder")
     parser.add_argument("--out", type=Path, help="the folder to write to")
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        choices=sorted(FULL),
+        help="only these models; their rows replace theirs in the results already written",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -182,6 +262,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(json.dumps(result))
         return result
     sizes = SMOKE if args.smoke else FULL
+    if args.models:
+        sizes = {name: FULL[name] for name in args.models}
     rounds, steps = (2, 1) if args.smoke else (5, 3)
     script = Path(__file__).resolve()
     memory = [
@@ -213,8 +295,26 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "time": time,
     }
     out = _report.output_dir(args.out, smoke=args.smoke, name=NAME)
+    if args.models:
+        report = _merged(out / f"{NAME}.json", report)
     _report.write(out, NAME, report, _markdown(report))
     return report
+
+
+def _merged(path: Path, report: dict[str, Any]) -> dict[str, Any]:
+    """`report`'s rows in place of their models' rows in the report at `path`, if any."""
+    if not path.exists():
+        return report
+    old = json.loads(path.read_text())
+    new = set(report["sizes"])
+    sizes = {**old["sizes"], **report["sizes"]}
+    order = [name for name in FULL if name in sizes]
+    return {
+        **report,
+        "sizes": {name: sizes[name] for name in order},
+        "memory": [r for r in old["memory"] if r["model"] not in new] + report["memory"],
+        "time": [t for t in old["time"] if t["model"] not in new] + report["time"],
+    }
 
 
 if __name__ == "__main__":
