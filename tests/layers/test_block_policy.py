@@ -424,9 +424,10 @@ def test_a_dots_step_keeps_its_products_and_no_more(jit_compile):
     product = 512 * 256 * 4  # one layer's matmul output
     if jit_compile:
         # XLA takes a step's temporaries as one buffer, in coarse sizes: none
-        # measured 32 and 16.25 MiB in two runs, dots 16 and 15.25, full 7.75
-        # and 15.25; only the order holds.
-        assert full <= dots <= none
+        # measured 32 and 16.25 MiB in two runs, dots 16, 15.25 and 10.5, full
+        # 7.75, 15.25 and 12.5 (above dots in that run): only that neither
+        # holds more than storing everything holds.
+        assert max(full, dots) <= none
     else:  # measured 17.25, 8.5 and 10.5 MiB
         assert full < dots < none
         assert dots - full <= 1.5 * 8 * product  # the kept products, not the activations

@@ -95,6 +95,9 @@ def test_the_command_line_plans_with_a_policy(policy, tmp_path, capsys):
 
     keras.utils.set_random_seed(0)
     model = models_zoo.transformer_encoder(layers=2, sequence=32, hidden=16, heads=2)
+    # SGD updates in place: what the plans trade is activations, not the 2x
+    # weights an uncompiled model's modelled Adam update adds to every moment.
+    model.compile(optimizer="sgd", loss="mse")
     path = str(tmp_path / "encoder.keras")
     model.save(path)
     assert main(["frontier", path, "--batch-size", "8", "--policy", policy]) == 0
