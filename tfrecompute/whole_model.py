@@ -142,9 +142,10 @@ def _worth_its_recompute(
     storing everything, or below it by less than `MIN_SAVING`: measured
     peaks of one step vary by about that much from run to run and with the
     order updates run in (the same ResNet50 plan measured 10% apart in one
-    process, benchmarks/results/prediction_accuracy.md; ResNet50V2 on 32x32
-    images at batch 2 under Adam, whose step peaks in an optimizer update, a
-    plan predicted 7% below storing everything measured 17% above it). The
+    process, benchmarks/results/prediction_accuracy.md; the same
+    storing-everything step of ResNet50V2 on 32x32 images at batch 2 under
+    Adam 4% apart in two fresh processes, and its `sqrt` plan at 1.67x,
+    benchmarks/results/any_model.md). The
     default strategy without a budget or `where=` (`fall_back`) then stores
     everything instead: no recompute for a saving the measurement may not
     show. Under a budget the plan is what fits it, and is kept silently

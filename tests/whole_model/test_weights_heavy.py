@@ -3,10 +3,8 @@
 NOTE [ A plan worth its recompute ] in whole_model.py and NOTE [ The
 optimizer's update workspace ] in costs/optimizer.py. A small-image ResNet and
 a 2-layer decoder with a large vocabulary, at batch 2: their activations are a
-few MiB beside tens of MiB of gradients and Adam's temporaries. Before the
-updates were modelled, the default plan of each predicted about half the peak
-of storing everything and measured above it (ResNet50V2 1.17x, the decoder
-1.02x).
+few MiB beside tens of MiB of gradients and Adam's temporaries, and their
+measured steps vary more than a plan would save (benchmarks/results/any_model.md).
 """
 
 from __future__ import annotations

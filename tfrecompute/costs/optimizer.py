@@ -9,21 +9,19 @@ configuration by `update_workspace_ratio`.
 NOTE [ The optimizer's update workspace ]
 An update makes temporaries of its variable's size on top of the gradient:
 Adam squares the gradient and takes the root of its second moment. Measured
-here (tensorflow 2.21, CPU, float32) in variables' sizes: SGD 0; Adam,
-AdamW, RMSprop, Nadam and Adagrad 2; Adafactor, Lion and FTRL 3. Where the
-weights are large beside the activations (a small batch, a large
-vocabulary) an update is the step's peak: ResNet50V2 on 32x32 images at
-batch 2 under Adam peaks with two 9 MiB kernel gradients, the square and
-root of a third and the copies of two variables being assigned, the
-activations there 3 MiB in all.
+here (tensorflow 2.21, CPU, float32) in variables' sizes: SGD 0, Adam and
+AdamW 2 to 3 (tests/costs/test_optimizer.py). Where the weights are large
+beside the activations (a small batch, a large vocabulary) an update is the
+step's peak: one Dense(2048) at batch 1 under Adam peaks at 48 MiB, its
+16 MiB gradient and two temporaries of the kernel's size.
 
 `update_workspace_ratio` measures it: a clone of the optimizer (its slots
 are not the model's) updates a 4 MiB float32 variable from a gradient made
 inside the same function, as the train step's gradients are (so that the
 update may reuse the gradient's buffer, as it does in the step); the
 allocator's peak above the variable, less the gradient, over the variable's
-bytes, the most of three updates (the order its ops run in moves it: Adam
-measured 1 once, AdamW 3 once, beside 2). The chain counts the ratio times
+bytes, the most of three updates (the order its ops run in moves it by a
+variable's size either way). The chain counts the ratio times
 the largest trainable variable: as `Chain.applied_workspace_bytes` at every
 backward moment when gradients are applied as they come, and on top of
 `Chain.update_workspace_bytes` at the step's end when the optimizer keeps
