@@ -16,7 +16,7 @@ import pytest
 import tfrecompute
 from tests.helpers import highest_requested_trace
 from tfrecompute import strategies
-from tfrecompute.costs.optimizer import update_workspace_ratio
+from tfrecompute.costs.optimizer import update_workspace_ratio, whole_variables
 
 WIDTH = 2048  # a 16 MiB kernel
 
@@ -38,6 +38,16 @@ def test_an_updates_temporaries_are_measured_per_optimizer(optimizer, least, mos
     """SGD updates in place; Adam's update squares the gradient and takes a root (2), AdamW's
     also decays the weights, whose temporary some orders of its ops keep beside them (3)."""
     assert least <= update_workspace_ratio(keras.optimizers.get(optimizer)) <= most
+
+
+def test_what_other_threads_allocate_during_the_probe_is_rounded_away():
+    """A full run once measured SGD's update at half a variable: not the update's."""
+    variable = 16 << 20
+    assert whole_variables([variable, variable + variable // 8], variable) == 0.0
+    assert whole_variables([variable + variable // 2], variable) == 0.0  # the 0.5 a full run saw
+    assert whole_variables([3 * variable + variable // 8, 2 * variable], variable) == 2.0
+    assert whole_variables([4 * variable - variable // 8], variable) == 3.0
+    assert whole_variables([variable // 2], variable) == 0.0
 
 
 def test_a_loss_scale_optimizer_is_measured_by_its_inner_one():

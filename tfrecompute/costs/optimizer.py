@@ -16,7 +16,7 @@ step's peak: one Dense(2048) at batch 1 under Adam peaks at 48 MiB, its
 16 MiB gradient and two temporaries of the kernel's size.
 
 `update_workspace_ratio` measures it: a clone of the optimizer (its slots
-are not the model's) updates a 4 MiB float32 variable from a gradient made
+are not the model's) updates a 16 MiB float32 variable from a gradient made
 inside the same function, as the train step's gradients are (so that the
 update may reuse the gradient's buffer, as it does in the step); the
 allocator's peak above the variable, less the gradient, over the variable's
@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 from typing import Any
 
 import keras
@@ -53,10 +54,12 @@ __all__ = [
     "keeps_all_gradients",
     "optimizer_costs",
     "update_workspace_ratio",
+    "whole_variables",
 ]
 
-PROBE_ELEMENTS = 1 << 20  # 4 MiB of float32: far above the CPU allocator's 256 KiB floor
+PROBE_ELEMENTS = 1 << 22  # 16 MiB of float32: other threads' allocations are small beside it
 PROBE_RUNS = 3  # the first update after others can reuse their buffers: the most of three
+PROBE_SLACK = 0.25  # of a variable: what other threads allocate meanwhile, rounded away
 _KEEP_ALL_OPTIONS = ("global_clipnorm", "gradient_accumulation_steps")
 _ratios: dict[tuple[str, str, str], float] = {}
 _log = logging.getLogger(__name__)
@@ -136,8 +139,19 @@ def _measured_ratio(clone: Any, device: str) -> float:
             tf.config.experimental.reset_memory_stats(device)
             step(value)
             peaks.append(tf.config.experimental.get_memory_info(device)["peak"] - before)
-    variable_bytes = 4 * PROBE_ELEMENTS
-    return max(max(peaks) - variable_bytes, 0) / variable_bytes  # less the gradient itself
+    return whole_variables(peaks, 4 * PROBE_ELEMENTS)
+
+
+def whole_variables(peaks: list[int], variable_bytes: int) -> float:
+    """The most temporaries, in whole variables, of updates that peaked at `peaks` bytes.
+
+    Less the gradient itself. An elementwise update's temporaries are whole
+    variables; what is left over is not the update's but another thread's,
+    such as a `tf.data` pipeline of an earlier `fit` still prefetching: up
+    to `PROBE_SLACK` of a variable is rounded away.
+    """
+    most = max(peaks) / variable_bytes - 1
+    return float(max(math.floor(most + PROBE_SLACK), 0))
 
 
 def optimizer_costs(
