@@ -59,6 +59,7 @@ ORDER = [
     "tfrecompute.costs.call_memory",
     "tfrecompute.costs.policy_state",
     "tfrecompute.costs.measured",
+    "tfrecompute.costs.state_time",
     "tfrecompute.costs.optimizer",
     "tfrecompute.costs.profile",
     "tfrecompute.rewrite",

@@ -274,7 +274,7 @@ def test_profile_prices_the_attention_state():
             assert chain.policy_forward_cost[i] == 0
     timed = tfrecompute.profile(model, sample=x, policy="attention", measure_time=True)
     for i in attention:
-        assert 0 < timed.policy_forward_cost[i] < timed.forward_cost[i]
+        assert 0 < timed.policy_forward_cost[i] <= timed.forward_cost[i]  # timed alone
 
 
 @pytest.mark.parametrize("mode", MODES)

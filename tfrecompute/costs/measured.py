@@ -38,7 +38,15 @@ from tfrecompute._keras_internals import call_has_training_arg
 from tfrecompute.costs.call_memory import CallMemory
 from tfrecompute.graph.layer_graph import tensor_bytes, trainable_variables
 
-__all__ = ["CallMeasurement", "corrected", "measure_call", "measurement_device"]
+__all__ = [
+    "CallMeasurement",
+    "corrected",
+    "measure_call",
+    "measurement_device",
+    "median_seconds",
+    "sample_tensor",
+    "step_function",
+]
 
 TIMED_RUNS = 5  # forward runs timed per call; the median is kept
 
@@ -73,7 +81,7 @@ def corrected(memory: CallMemory, measured: CallMeasurement) -> CallMemory:
     return dataclasses.replace(memory, workspace_bytes=max(memory.workspace_bytes, hidden))
 
 
-def _sample(tensor: keras.KerasTensor, batch_size: int) -> tf.Tensor:
+def sample_tensor(tensor: keras.KerasTensor, batch_size: int) -> tf.Tensor:
     """A tensor of `tensor`'s shape and dtype: normal floats, zeros otherwise (valid ids)."""
     shape = [batch_size if dim is None else int(dim) for dim in tensor.shape]
     dtype = keras.backend.standardize_dtype(tensor.dtype)
@@ -82,7 +90,7 @@ def _sample(tensor: keras.KerasTensor, batch_size: int) -> tf.Tensor:
     return tf.zeros(shape, dtype)
 
 
-def _step_function(layer: Any, args: Any, kwargs: Any, symbolic: list[Any]) -> Any:
+def step_function(layer: Any, args: Any, kwargs: Any, symbolic: list[Any]) -> Any:
     """`(values, backward) -> (outputs, gradients)`: the call on `values`, and its backward."""
 
     def run(values: tuple[tf.Tensor, ...], backward: bool) -> Any:
@@ -142,10 +150,10 @@ def measure_call(
     symbolic = list({id(t): t for t in flat if isinstance(t, keras.KerasTensor)}.values())
     state = [v for v in getattr(layer, "variables", []) if not v.trainable]
     saved = [np.array(v.numpy()) for v in state]
-    run = _step_function(layer, args, kwargs, symbolic)
+    run = step_function(layer, args, kwargs, symbolic)
     try:
         with tf.device(name):
-            values = tuple(_sample(t, batch_size) for t in symbolic)
+            values = tuple(sample_tensor(t, batch_size) for t in symbolic)
             both = tf.function(lambda *v: run(v, True), autograph=False)
             both(*values)  # traces and compiles
             before = tf.config.experimental.get_memory_info(name)["current"]
@@ -164,12 +172,18 @@ def measure_call(
 def _time_forward(run: Any, values: tuple[tf.Tensor, ...], device: str) -> float:
     """The median time of the call's forward alone (CPU time on a CPU, wall on a GPU)."""
     forward = tf.function(lambda *v: run(v, False)[0], autograph=False)
+    return median_seconds(forward, values, device)
+
+
+def median_seconds(function: Any, args: tuple[Any, ...], device: str) -> float:
+    """The median time of `function(*args)` over `TIMED_RUNS` runs after a first one that
+    traces it (CPU time on a CPU, wall time on a GPU)."""
     clock = time.process_time if device.startswith("CPU") else time.perf_counter
-    forward(*values)
+    function(*args)
     times = []
     for _ in range(TIMED_RUNS):
         start = clock()
-        results = forward(*values)
+        results = keras.tree.flatten(function(*args))
         _ = [np.asarray(r) for r in results[:1]]  # waits for the device
         times.append(clock() - start)
     return statistics.median(times)

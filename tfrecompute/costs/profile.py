@@ -27,6 +27,7 @@ from tfrecompute.costs.call_memory import CallMemory, call_memory
 from tfrecompute.costs.measured import corrected, measure_call
 from tfrecompute.costs.optimizer import compiled_or_adam, optimizer_costs
 from tfrecompute.costs.policy_state import kept_products, policy_link_costs
+from tfrecompute.costs.state_time import attention_core_seconds, policy_recompute_seconds
 from tfrecompute.graph.call_tree import input_specs, trace_model
 from tfrecompute.graph.expand import Selection, expand, selected, selection
 from tfrecompute.graph.layer_graph import Call, LayerGraph, tensor_bytes, trainable_variables
@@ -148,7 +149,10 @@ def profile(
             GPU when there is one.
         measure_time: replace the estimated FLOPs of each link's forward by
             its measured time in seconds (each call's forward timed on
-            tensors of the real shapes, median of a few runs).
+            tensors of the real shapes, median of a few runs), and with a
+            `policy`, the cost of each link's recompute under it by its
+            measured time too (NOTE [ Measured state times ] in
+            `tfrecompute.costs.state_time`).
 
     Returns:
         A `tfrecompute.strategies.Chain` with the calls' names as `names`.
@@ -313,6 +317,15 @@ def _profile_graph(
     elif (function := resolve_policy("profile", policy)) is not None:
         flops = _link_flops(graph, links, batch_size)
         kept, cheaper = policy_link_costs(graph, links, batch_size, function, forward, flops)
+        if measuring.time:
+            cheaper = _timed_state(
+                graph,
+                links,
+                forward,
+                lambda call: policy_recompute_seconds(
+                    call.layer, call.args, call.kwargs, batch_size, function
+                ),
+            )
     return strategies.Chain(
         sizes.of(graph.inputs),
         [c.output for c in per_link],
@@ -357,18 +370,49 @@ def _attention_costs(
     those calls. The forward's FLOP estimate leaves them out, which would
     price a full recompute of an attention link at no more than its cores
     alone; so each link's forward counts them too. In measured seconds (which
-    include them), the cores cost the link's time times their share of its
-    FLOPs.
+    include them), the cores are timed alone (NOTE [ Measured state times ]).
     """
+    if timed:
+        return forward, _timed_state(
+            graph,
+            links,
+            forward,
+            lambda call: (
+                attention_core_seconds(call.layer, call.args, call.kwargs, batch_size)
+                if holds_attention(call)
+                else 0.0
+            ),
+        )
     no_weight = resolve_policy("profile", _takes_no_weight)
     assert no_weight is not None
     products = kept_products(graph, links, batch_size, no_weight, where=holds_attention)
     cores = [flops for _, flops in products]
-    if timed:
-        estimates = _link_flops(graph, links, batch_size)
-        shares = [c / (e + c) if c else 0.0 for e, c in zip(estimates, cores)]
-        return forward, [t * share for t, share in zip(forward, shares)]
     return [f + c for f, c in zip(forward, cores)], cores
+
+
+def _timed_state(
+    graph: LayerGraph,
+    links: list[tuple[int, int]],
+    forward: list[float],
+    seconds_of: Callable[[Call], float],
+) -> list[float]:
+    """Per link, the measured seconds of its calls' recompute in a cheaper state, at most
+    its measured forward's (NOTE [ Measured state times ]), timed once per layer and input
+    signature. Glue and blocks already in the model are not timed, as in `_measured`."""
+    cache: dict[tuple[Any, ...], float] = {}
+    found = []
+    for (first, stop), limit in zip(links, forward):
+        total = 0.0
+        for call in graph.calls[first:stop]:
+            if call.glue or isinstance(call.layer, RecomputeBlock):
+                continue
+            signature = tuple((tuple(t.shape), str(t.dtype)) for t in call.tensor_args)
+            key = (id(call.layer), signature)
+            if key not in cache:
+                cache[key] = seconds_of(call)
+            total += cache[key]
+        found.append(min(total, limit))
+    return found
 
 
 def _takes_no_weight(op: Any) -> bool:
