@@ -2,7 +2,7 @@
 
 Usage:
     python benchmarks/depth_scaling.py          # benchmarks/results/depth_scaling.{json,md,png}
-    python benchmarks/depth_scaling.py --smoke  # L = 4, 8, 16, width 128, to a temporary dir
+    python benchmarks/depth_scaling.py --smoke  # L = 4, 8, width 128, to a temporary dir
     python benchmarks/depth_scaling.py --out DIR --depths 8 16 32 --width 256 --batch-size 1024
 
 The model is a `keras.Sequential` of L `Dense(width, activation="tanh")`
@@ -73,7 +73,7 @@ from benchmarks import _report  # noqa: E402
 
 VARIANTS = ("none", "sqrt", "optimal")
 FULL = {"depths": (8, 16, 32, 64, 128), "width": 256, "batch_size": 1024, "steps": 5, "rounds": 5}
-SMOKE = {"depths": (4, 8, 16), "width": 128, "batch_size": 1024, "steps": 3, "rounds": 2}
+SMOKE = {"depths": (4, 8), "width": 128, "batch_size": 1024, "steps": 3, "rounds": 2}
 SEED = 0
 MiB = 2**20
 
@@ -376,7 +376,7 @@ def plot(report: dict[str, Any], path: Path) -> bool:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Runs the benchmark; returns the report written to `<out>/depth_scaling.json`."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="L = 4, 8, 16 at width 128")
+    parser.add_argument("--smoke", action="store_true", help="L = 4, 8 at width 128")
     parser.add_argument("--out", type=Path, default=None, help="output directory")
     parser.add_argument("--depths", type=int, nargs="+", default=None)
     parser.add_argument("--width", type=int, default=None)

@@ -51,7 +51,7 @@ def test_smoke_run_writes_results(tmp_path: Path) -> None:
     assert str(report["machine"]["cpu_count"]) in table
 
     depths = [r["depth"] for r in report["results"]]
-    assert depths == [4, 8, 16]
+    assert depths == [4, 8]
     for result in report["results"]:
         assert [row["variant"] for row in result["rows"]] == ["none", "sqrt", "optimal"]
         for row in result["rows"]:

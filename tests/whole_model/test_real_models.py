@@ -44,6 +44,9 @@ REQUESTED_TOLERANCE = 0.15
 # tfrecompute/tracing.py), different from step to step, the bounds are wider
 # (the same table has the rounding and these errors over runs).
 TOLERANCE = {"encoder": 0.2, "mobilenet_v2": 0.4, "resnet50": 0.4, "unet": 0.4}
+# Memory is measured on three of the four: ResNet50's steps are the longest to
+# trace, and benchmarks/prediction_accuracy.py measures all four (its results file).
+MEASURED = sorted(set(MODELS) - {"resnet50"})
 
 
 def _batch(model, batch=BATCH):
@@ -77,8 +80,10 @@ def test_gradients_match_the_original(real):
     )
 
 
-def test_sqrt_rewrite_fits_in_less_memory(real):
-    name, model = real
+@pytest.mark.parametrize("name", MEASURED)
+def test_sqrt_rewrite_fits_in_less_memory(name):
+    keras.utils.set_random_seed(0)
+    model = MODELS[name]()
     x, y = _batch(model)
     sqrt = tfrecompute.plan(model, "sqrt", batch_size=BATCH)
     model.compile(optimizer="sgd", loss="mse")
@@ -117,7 +122,7 @@ def test_generous_budget_recomputes_nothing(real):
     assert tfrecompute.checkpoints(model) is None
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name", MEASURED)
 def test_predicted_peak_against_measured(name):
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
     import prediction_accuracy
