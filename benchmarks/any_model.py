@@ -1,11 +1,13 @@
 """recompute() on models nobody here designed: keras-hub backbones as built, subclassed code.
 
-For models of `tests/any_models.py` (keras-hub BERT, GPT-2, ViT and CLIP
-backbones built from their constructors with random init, a
+For models of `tests/any_models.py` (keras-hub BERT, GPT-2, ViT, CLIP, DeiT
+and RWKV7 backbones built from their constructors with random init, a
 subclassed transformer that loops over its blocks, a Functional model of
 subclassed layers that each hold a Sequential, a classifier calling a nested
 Functional backbone; SGD) and a few built here (a Llama with LoRA adapters,
-one under `mixed_bfloat16`, ResNet50V2 on 32x32 images at batch 2 and a
+one under `mixed_bfloat16`, a Gemma causal LM with LoRA under
+`mixed_bfloat16`, a BERT classifier with LoRA and one under `mixed_float16`,
+ResNet50V2 on 32x32 images at batch 2 and a
 2-layer decoder with a 32,000-token vocabulary, whose steps peak in the
 weights' updates; Adam), at benchmark sizes:
 
@@ -54,6 +56,11 @@ FULL = {
     "llama_bfloat16": {"layers": 4, "hidden": 128, "sequence": 256, "batch": 4},
     "resnet50v2_32px": {"batch": 2},
     "qwen3_32k_vocab": {"layers": 2, "hidden": 128, "sequence": 32, "batch": 2},
+    "deit": {"layers": 4, "hidden": 128, "image": 64, "batch": 32},
+    "rwkv7": {"layers": 4, "hidden": 256, "sequence": 32, "batch": 64},
+    "gemma_lm_lora_bfloat16": {"layers": 4, "hidden": 128, "sequence": 256, "batch": 4},
+    "bert_classifier_lora": {"layers": 4, "hidden": 128, "sequence": 128, "batch": 16},
+    "bert_classifier_float16": {"layers": 4, "hidden": 128, "sequence": 128, "batch": 16},
 }
 SMOKE = {"bert": {"layers": 2, "hidden": 64, "sequence": 64, "batch": 8}}
 MiB = 2**20
@@ -111,6 +118,57 @@ def _qwen3_32k_vocab(layers: int, hidden: int, sequence: int, batch: int) -> Any
     return model, x, np.zeros((batch, sequence, 32000), "float32"), "adam"
 
 
+def _gemma_lm_lora_bfloat16(layers: int, hidden: int, sequence: int, batch: int) -> Any:
+    """A causal LM whose token embedding is tied to its logits, LoRA rank 4, `mixed_bfloat16`."""
+    import keras
+    import keras_hub
+    import numpy as np
+
+    keras.config.set_dtype_policy("mixed_bfloat16")  # this worker's process only
+    backbone = keras_hub.models.GemmaBackbone(
+        vocabulary_size=1000, num_layers=layers, num_query_heads=4, num_key_value_heads=1,
+        hidden_dim=hidden, intermediate_dim=2 * hidden, head_dim=hidden // 4,
+    )  # fmt: skip
+    model = keras_hub.models.GemmaCausalLM(backbone, preprocessor=None)
+    backbone.enable_lora(4)
+    x = {
+        "token_ids": np.random.default_rng(0).integers(1, 1000, (batch, sequence)).astype("int32"),
+        "padding_mask": np.ones((batch, sequence), "int32"),
+    }
+    return model, x, np.zeros((batch, sequence, 1000), "float32"), "adam"
+
+
+def _bert_classifier_lora(layers: int, hidden: int, sequence: int, batch: int) -> Any:
+    """keras-hub's BERT classifier with LoRA rank 4 on its backbone."""
+    model, x, y, optimizer = _bert_classifier_float16(layers, hidden, sequence, batch, "float32")
+    model.backbone.enable_lora(4)
+    return model, x, y, optimizer
+
+
+def _bert_classifier_float16(
+    layers: int, hidden: int, sequence: int, batch: int, policy: str = "mixed_float16"
+) -> Any:
+    """keras-hub's BERT classifier, under `mixed_float16` by default (loss scaling)."""
+    import keras
+    import keras_hub
+    import numpy as np
+
+    keras.config.set_dtype_policy(policy)  # this worker's process only
+
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=1000, num_layers=layers, num_heads=4, hidden_dim=hidden,
+        intermediate_dim=4 * hidden, max_sequence_length=sequence,
+    )  # fmt: skip
+    model = keras_hub.models.BertTextClassifier(backbone, num_classes=2, preprocessor=None)
+    rng = np.random.default_rng(0)
+    x = {
+        "token_ids": rng.integers(1, 1000, (batch, sequence)).astype("int32"),
+        "segment_ids": np.zeros((batch, sequence), "int32"),
+        "padding_mask": np.ones((batch, sequence), "int32"),
+    }
+    return model, x, np.zeros((batch, 2), "float32"), "adam"
+
+
 # Models built here, each with the optimizer it is trained with; the others come
 # from tests/any_models.py and train with SGD.
 BUILDERS = {
@@ -118,6 +176,9 @@ BUILDERS = {
     "llama_bfloat16": _llama_bfloat16,
     "resnet50v2_32px": _resnet50v2_32px,
     "qwen3_32k_vocab": _qwen3_32k_vocab,
+    "gemma_lm_lora_bfloat16": _gemma_lm_lora_bfloat16,
+    "bert_classifier_lora": _bert_classifier_lora,
+    "bert_classifier_float16": _bert_classifier_float16,
 }
 
 
@@ -136,7 +197,8 @@ def _build(name: str, sizes: dict[str, int]) -> Any:
     outputs = model(x)
     if y is None and name not in any_models.MODELS:  # targets for every output (CLIP: named)
         y = keras.tree.map_structure(lambda t: np.zeros(t.shape, "float32"), outputs)
-    model.compile(optimizer=optimizer, loss="mse")
+    # No metrics (None would keep those a keras-hub task compiled itself with).
+    model.compile(optimizer=optimizer, loss="mse", metrics=[], weighted_metrics=[])
     return model, x, y
 
 

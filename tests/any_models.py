@@ -316,18 +316,18 @@ def rwkv7(*, layers: int = 2, hidden: int = 32, sequence: int = 8, batch: int = 
     return model, (_tokens(batch, sequence), None)
 
 
-def deit(*, layers: int = 2, hidden: int = 32, batch: int = 2) -> Any:
+def deit(*, layers: int = 2, hidden: int = 32, image: int = 16, batch: int = 2) -> Any:
     """An encoder holding its blocks that also returns empty placeholders it makes
     from shapes; its blocks return `(y, None)`."""
     model = keras_hub.models.DeiTBackbone(
-        image_shape=(16, 16, 3),
+        image_shape=(image, image, 3),
         patch_size=8,
         num_layers=layers,
         num_heads=2,
         hidden_dim=hidden,
         intermediate_dim=2 * hidden,
     )
-    x = np.random.default_rng(0).random((batch, 16, 16, 3)).astype("float32")
+    x = np.random.default_rng(0).random((batch, image, image, 3)).astype("float32")
     return model, (x, None)
 
 
