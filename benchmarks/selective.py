@@ -15,10 +15,11 @@ Variants: `none` (no recompute), `full` (one `RecomputeBlock` per layer),
 (`recompute(model, policy="attention")`: every attention core recomputes,
 nothing else; the transformers only), `plan@<f>`: `recompute(model,
 policy="dots", budget=f x the predicted peak of none, headroom=0)`, the
-`optimal` planner weighing the third state, and `attn@<f>`: the same with
-`policy="attention"` as the third state (the transformers only); both
-profiled with measured times (`measure_time=True`: each link's forward and
-its recompute under the policy).
+`optimal` planner weighing the third state, `attn@<f>`: the same with
+`policy="attention"` as the third state, and `mix@<f>`: with
+`policy=["attention", "dots"]`, four states per segment (the last two on the
+transformers only); all profiled with measured times (`measure_time=True`:
+each link's forward and its recompute under each policy).
 
 * memory: the allocator peak one compiled training step added
   (`measure_step`), each variant in a fresh process, with the planner's
@@ -35,7 +36,7 @@ its recompute under the policy).
 
 Writes `selective.json` and `selective.md` to benchmarks/results/.
 
-    python benchmarks/selective.py            # about 25 minutes on 2 cores
+    python benchmarks/selective.py            # about 30 minutes on 2 cores
     python benchmarks/selective.py --smoke    # small sizes, a temporary folder
 """
 
@@ -68,6 +69,8 @@ SMOKE = {
     "cnn": {"layers": 2, "filters": 8, "image": 16, "batch": 2},
 }
 BUDGETS = (0.3, 0.45, 0.6)
+POLICIES: dict[str, Any] = {"plan": "dots", "attn": "attention", "mix": ["attention", "dots"]}
+"""The policies each planned variant's kind plans with."""
 MiB = 2**20
 
 
@@ -94,10 +97,11 @@ def _conv_layer(filters: int, image: int, channels: int, index: int) -> Any:
 
 
 def variants_of(name: str, budgets: Sequence[float]) -> list[str]:
-    """The variants measured on a model: "attention" and "attn@" on the transformers only."""
+    """The variants measured on a model: "attention", "attn@" and "mix@" on the transformers
+    only."""
     if name == "cnn":
         return [*BASE_VARIANTS[:3], *(f"plan@{b}" for b in budgets)]
-    return [*BASE_VARIANTS, *(f"{kind}@{b}" for kind in ("plan", "attn") for b in budgets)]
+    return [*BASE_VARIANTS, *(f"{kind}@{b}" for kind in POLICIES for b in budgets)]
 
 
 def _bert(sizes: dict[str, int]) -> tuple[Any, Any]:
@@ -196,7 +200,7 @@ def _variant(name: str, sizes: dict[str, int], variant: str) -> tuple[Any, Any, 
         return (*build(name, sizes, variant), None)
     model, x, y = build(name, sizes, "none")
     kind, share = variant.split("@")
-    policy = "attention" if kind == "attn" else "dots"
+    policy = POLICIES[kind]
     # Each state priced by measured time: the forward and the recompute under the policy
     # (NOTE [ Measured state times ] in tfrecompute/costs/state_time.py).
     chain = tfrecompute.profile(model, sample=x, policy=policy, measure_time=True)
@@ -216,7 +220,10 @@ def measure_memory(name: str, sizes: dict[str, int], variant: str) -> dict[str, 
         row.update(
             predicted_bytes=plan.peak_bytes,
             segments=len(plan.segments),
-            selective=sum(plan.selective),
+            states={
+                plan.chain.policy_name(k): sum(1 for s in plan.selective if s == k)
+                for k in range(1, len(plan.chain.policy_states) + 1)
+            },
             recompute_share=plan.recompute_cost / plan.chain.total_forward_cost,
         )
     return row
@@ -330,6 +337,13 @@ def _op_time_lines(times: dict[str, Any] | None) -> list[str]:
     ]
 
 
+def _states(row: dict[str, Any]) -> str:
+    """How many segments each state has: "6 dots, 7 whole"."""
+    states = row.get("states", {})
+    whole = row["segments"] - sum(states.values())
+    return ", ".join([*(f"{count} {name}" for name, count in states.items()), f"{whole} whole"])
+
+
 def _markdown(report: dict[str, Any]) -> str:
     lines = [
         "# Selective recompute: the attention core, the weight products kept, full blocks",
@@ -358,7 +372,7 @@ def _markdown(report: dict[str, Any]) -> str:
         ):
             row = memory[variant]
             plan = (
-                f"{row['segments']} segments, {row['selective']} selective, "
+                f"{row['segments']} segments ({_states(row)}), "
                 f"{row['recompute_share']:.0%} recompute, predicted "
                 f"{row['predicted_bytes'] / MiB:.1f} MiB"
                 if "segments" in row

@@ -30,7 +30,7 @@ from tfrecompute.costs.profile import (
 )
 from tfrecompute.layers.attention import attention_layers, checkpoint_attention
 from tfrecompute.layers.in_place import Checkpoints, record, remove
-from tfrecompute.layers.policy import resolve_policy
+from tfrecompute.layers.policy import planned_policies
 from tfrecompute.rewrite.apply import apply, block_policies
 
 __all__ = ["plan", "recompute"]
@@ -312,8 +312,10 @@ def plan(
         policy: a recompute policy to plan with (see `RecomputeBlock`): links
             get a third state, recomputed under it, which `optimal` weighs
             against storing and recomputing whole (`Plan.selective`; other
-            strategies plan two states). Pass the same policy to
-            `recompute(model, plan, policy=...)`.
+            strategies plan two states). A list (e.g. `["attention",
+            "dots"]`) gives `optimal` one state per policy to choose from
+            per segment. Pass the same policy to `recompute(model, plan,
+            policy=...)`.
     Returns:
         The `Plan`; `plan.summary()` names the calls of each segment and gives
         the predicted peak and recompute cost. `recompute(model, plan)`
@@ -335,7 +337,7 @@ def plan(
         "where": where,
         "policy": policy,
     }
-    resolve_policy("plan", policy)
+    planned_policies("plan", policy)
     chosen, _ = _resolve_plan("plan", model, strategy, options)
     return chosen
 
@@ -395,7 +397,10 @@ def recompute(
             and nothing else (Megatron-LM's selective recompute; NOTE
             [ Attention core recompute ]), `checkpoints(model).plan` is None;
             with a strategy or budget, "attention" is the third state: a
-            selective segment keeps everything but its attention cores.
+            selective segment keeps everything but its attention cores. A
+            list of policies (e.g. `["attention", "dots"]`): `optimal`
+            chooses per segment among all of them, storing and recomputing
+            whole.
         verify: measure the plan instead of trusting a fixed headroom: with a
             `budget` and a labelled `sample=(x, y)`, run the compiled train
             step of the checkpointed model (`model` must be compiled), read
@@ -424,7 +429,7 @@ def recompute(
         "where": where,
         "policy": policy,
     }
-    resolve_policy("recompute", policy)
+    planned_policies("recompute", policy)
     alone = [value for name, value in options.items() if name != "policy" and value is not None]
     if policy == "attention" and strategy is None and not alone and not verify:
         return _attention_only("recompute", model)

@@ -8,8 +8,8 @@ from tests.helpers import run_benchmark_smoke
 def test_smoke_run_measures_every_variant_of_every_model(tmp_path):
     report, table = run_benchmark_smoke("selective", tmp_path)
     variants = {
-        "encoder": ["none", "full", "dots", "attention", "plan@0.45", "attn@0.45"],
-        "bert": ["none", "full", "dots", "attention", "plan@0.45", "attn@0.45"],
+        "encoder": ["none", "full", "dots", "attention", "plan@0.45", "attn@0.45", "mix@0.45"],
+        "bert": ["none", "full", "dots", "attention", "plan@0.45", "attn@0.45", "mix@0.45"],
         "cnn": ["none", "full", "dots", "plan@0.45"],  # no attention to recompute
     }
     assert set(report["sizes"]) == set(variants)
@@ -18,6 +18,11 @@ def test_smoke_run_measures_every_variant_of_every_model(tmp_path):
     }
     planned = [r for r in report["memory"] if "@" in r["variant"]]
     assert all(r["segments"] > 0 and r["predicted_bytes"] > 0 for r in planned)
+    # Each planned variant counts its segments per policy state it planned with.
+    for row in planned:
+        kind = row["variant"].split("@")[0]
+        want = {"plan": ["dots"], "attn": ["attention"], "mix": ["attention", "dots"]}[kind]
+        assert list(row["states"]) == want and sum(row["states"].values()) <= row["segments"]
     for timing in report["time"]:
         assert timing["variants"] == variants[timing["model"]]
         assert all(t > 0 for t in timing["cpu_seconds"] + timing["wall_seconds"])

@@ -14,47 +14,61 @@ from tfrecompute.strategies import Chain, Plan, frontier, min_peak, optimal, sim
 from tfrecompute.strategies.simulate import estimate
 
 
-def _with_policy(chain: Chain, rng: random.Random) -> Chain:
-    """`chain` with random kept products (up to a link's saved bytes) and cheaper recomputes."""
+def _policy_state(chain: Chain, rng: random.Random) -> tuple[list[int], list[float]]:
+    """Random kept products (up to a link's saved bytes) and cheaper recomputes."""
     kept = [rng.choice([0, s // 2, s, s + 2]) for s in chain.saved_bytes]
     cost = [rng.choice([0.0, c / 2, c]) for c in chain.forward_cost]
-    return dataclasses.replace(chain, policy_kept_bytes=kept, policy_forward_cost=cost)
+    return kept, cost
 
 
-def _three_state_table(chain: Chain) -> list[tuple[int, Fraction, tuple, tuple]]:
-    """(peak, exact cost, segments, selective) of every three-state plan, via `simulate`."""
+def _with_policies(chain: Chain, rng: random.Random, count: int) -> Chain:
+    """`chain` with `count` random policy states."""
+    (kept, cost), *more = [_policy_state(chain, rng) for _ in range(count)]
+    return dataclasses.replace(
+        chain, policy_kept_bytes=kept, policy_forward_cost=cost, more_policies=more
+    )
+
+
+def _state_table(chain: Chain) -> list[tuple[int, Fraction, tuple, tuple]]:
+    """(peak, exact cost, segments, states) of every plan over every state, via `simulate`."""
     table = []
-    policy = [Fraction(c) for c in chain.policy_forward_cost]
-    full = [Fraction(c) for c in chain.forward_cost]
+    costs = [
+        [Fraction(c) for c in cost]
+        for cost in (chain.forward_cost, *(cost for _, cost in chain.policy_states))
+    ]
     for segments in allowed_segment_sets(chain):
-        for flags in itertools.product((False, True), repeat=len(segments)):
-            peak, _ = estimate(chain, segments, flags if any(flags) else ())
+        for states in itertools.product(range(len(costs)), repeat=len(segments)):
+            peak, _ = estimate(chain, segments, states if any(states) else ())
             cost = sum(
-                (policy if under else full)[j]
-                for (s, e), under in zip(segments, flags)
-                for j in range(s, e)
+                costs[state][j] for (s, e), state in zip(segments, states) for j in range(s, e)
             )
-            table.append((peak, Fraction(cost), segments, flags))
+            table.append((peak, Fraction(cost), segments, states))
     return table
 
 
 def _exact(plan: Plan) -> Fraction:
     chain = plan.chain
-    flags = plan.selective or (False,) * len(plan.segments)
+    costs = (chain.forward_cost, *(cost for _, cost in chain.policy_states))
     return Fraction(
         sum(
-            Fraction((chain.policy_forward_cost if under else chain.forward_cost)[j])
-            for (s, e), under in zip(plan.segments, flags)
+            Fraction(costs[plan.state(i)][j])
+            for i, (s, e) in enumerate(plan.segments)
             for j in range(s, e)
         )
     )
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_optimal_and_frontier_equal_brute_force_over_three_states(seed):
+@pytest.mark.parametrize(
+    ("policies", "seed"), [(1, seed) for seed in range(40)] + [(2, seed) for seed in range(30)]
+)
+def test_optimal_and_frontier_equal_brute_force_over_every_state(policies, seed):
+    """Three states (stored, whole, one policy) and four (a second policy, as "attention"
+    beside "dots")."""
     rng = random.Random(seed)
-    chain = _with_policy(random_chain(rng, rng.randint(1, 6)), rng)
-    table = _three_state_table(chain)
+    chain = _with_policies(
+        random_chain(rng, rng.randint(1, 6 if policies == 1 else 5)), rng, policies
+    )
+    table = _state_table(chain)
     assert min_peak(chain) == min(row[0] for row in table)
     peaks = sorted({row[0] for row in table})
     for budget in {peaks[0], peaks[-1], *rng.sample(peaks, min(3, len(peaks)))}:
@@ -133,11 +147,52 @@ def test_the_third_state_needs_both_fields(kwargs, error, match):
         Chain(1, [1, 1], [1, 1], [1.0, 1.0], **kwargs)
 
 
+_FIRST = {"policy_kept_bytes": [1, 1], "policy_forward_cost": [0.5, 0.5]}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"more_policies": [([1, 1], [0.5, 0.5])]}, ValueError, "given without policy_kept"),
+        ({**_FIRST, "more_policies": [([1, 1],)]}, ValueError, r"more_policies\[0\] must be a"),
+        ({**_FIRST, "more_policies": [([1], [0.5])]}, ValueError, "has 1 entries but the chain"),
+        ({**_FIRST, "more_policies": [([-1, 1], [0.5, 0.5])]}, ValueError, "negative"),
+        ({**_FIRST, "policy_names": ["a", "b"]}, ValueError, r"one string per policy state \(1"),
+        ({"policy_names": ["a"]}, ValueError, r"one string per policy state \(0"),
+    ],
+)
+def test_more_policy_states_are_checked(kwargs, error, match):
+    with pytest.raises(error, match=match) as info:
+        Chain(1, [1, 1], [1, 1], [1.0, 1.0], **kwargs)
+    assert str(info.value).startswith("Chain: ")
+
+
+def test_each_segment_uses_its_own_states_products_and_costs():
+    chain = Chain(
+        10,
+        [10] * 2,
+        [30] * 2,
+        [4.0] * 2,
+        policy_kept_bytes=[5, 5],
+        policy_forward_cost=[1.0, 1.0],
+        more_policies=[([20, 20], [0.5, 0.5])],
+        policy_names=["attention", "dots"],
+    )
+    plan = Plan.from_segments(chain, [(0, 1), (1, 2)], selective=[2, 1])
+    assert plan.recompute_cost == 1.5 and plan.selective == (2, 1)
+    forward = [e.live_bytes for e in plan.timeline()][:2]
+    plain = [e.live_bytes for e in timeline(chain, [(0, 1), (1, 2)])][:2]
+    assert [f - p for f, p in zip(forward, plain)] == [20, 25]
+    summary = plan.summary()
+    assert "selective (dots)" in summary and "selective (attention)" in summary
+
+
 @pytest.mark.parametrize(
     ("selective", "error", "match"),
     [
         ("yes", TypeError, "selective must be a sequence of bools"),
-        ([1], TypeError, "selective must hold bools only"),
+        ([1.0], TypeError, "selective must hold bools or ints only"),
+        ([2], ValueError, r"selective names a policy state outside 0\.\.1"),
         ([True, False], ValueError, "selective has 2 entries for 1 segments"),
     ],
 )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import keras
 import numpy as np
 import pytest
@@ -136,3 +138,112 @@ def test_a_keras_hub_bert_under_dots_trains_as_the_original():
             mode,
             atol=1e-5,
         )
+
+
+BOTH = ["attention", "dots"]
+
+
+def test_profile_with_two_policies_gives_each_its_state():
+    keras.utils.set_random_seed(0)
+    model = models_zoo.transformer_encoder(layers=1, sequence=8, hidden=16, heads=2)
+    both = tfrecompute.profile(model, batch_size=4, policy=BOTH)
+    attention = tfrecompute.profile(model, batch_size=4, policy="attention")
+    dots = tfrecompute.profile(model, batch_size=4, policy="dots")
+    plain = tfrecompute.profile(model, batch_size=4)
+    assert both.policy_names == ("attention", "dots") and len(both.policy_states) == 2
+    assert both.policy_states[0] == attention.policy_states[0]
+    (kept, cost), (alone_kept, alone_cost) = both.policy_states[1], dots.policy_states[0]
+    assert kept == alone_kept
+    # By FLOPs the attention state adds the cores to each link's forward, which a "dots"
+    # recompute runs again too: the same amount more than "dots" priced alone.
+    assert both.forward_cost == attention.forward_cost
+    added = [a - p for a, p in zip(attention.forward_cost, plain.forward_cost)]
+    assert any(added)
+    assert cost == pytest.approx([c + a for c, a in zip(alone_cost, added)])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_plan_over_four_states_gives_each_block_its_policy(mode):
+    keras.utils.set_random_seed(0)
+    model = models_zoo.transformer_encoder(layers=2, sequence=32, hidden=16, heads=2)
+    chain = tfrecompute.profile(model, batch_size=8, policy=BOTH)
+    segments = tfrecompute.strategies.uniform(1)(chain).segments
+    attention = [i for i, (s, e) in enumerate(segments) if "attention" in chain.names[s]]
+    # The attention links under "attention", the others in turn whole and under "dots".
+    states = [1 if i in attention else i % 2 * 2 for i in range(len(segments))]
+    assert attention and 0 in states and 2 in states
+    chosen = tfrecompute.strategies.Plan.from_segments(chain, segments, selective=states)
+    assert "selective (attention)" in chosen.summary() and "selective (dots)" in chosen.summary()
+    tfrecompute.recompute(model, chosen, policy=BOTH)
+    assert [b.policy for b in _blocks(model)] == [[None, "attention", "dots"][s] for s in states]
+    ids = tf.constant(np.random.default_rng(0).integers(0, 100, (2, 32)).astype("int32"))
+    _same_training(model, [ids], mode)
+
+
+def test_the_default_plan_weighs_both_policies_under_a_budget():
+    keras.utils.set_random_seed(0)
+    model = models_zoo.transformer_encoder(layers=2, sequence=64, hidden=16, heads=2)
+    chain = tfrecompute.profile(model, batch_size=8, policy=BOTH)
+    stored = tfrecompute.strategies.none(chain).peak_bytes
+    budget = (stored + tfrecompute.strategies.min_peak(chain)) // 2
+    made = tfrecompute.plan(model, budget=budget, batch_size=8, headroom=0, policy=BOTH)
+    assert made.peak_bytes <= budget
+    for one in ([chain.policy_states[0]], [chain.policy_states[1]]):
+        (kept, cost), *_ = one
+        three = dataclasses.replace(
+            chain,
+            policy_kept_bytes=kept,
+            policy_forward_cost=cost,
+            more_policies=(),
+            policy_names=(),
+        )
+        assert made.recompute_cost <= tfrecompute.strategies.optimal(three, budget).recompute_cost
+    tfrecompute.recompute(model, made, policy=BOTH)
+    want = [[None, "attention", "dots"][made.state(i)] for i in range(len(made.segments))]
+    assert [b.policy for b in _blocks(model)] == want
+
+
+@pytest.mark.parametrize(
+    ("strategy", "policy", "match"),
+    [
+        (None, [], "the list of policies is empty"),
+        (None, ["dots", "dots"], "a policy appears twice"),
+        (None, ["nothing", "dots"], r"policy\[0\] \('nothing'\) recomputes everything"),
+        (None, [["dots"]], "policies do not nest"),
+        (None, ["dots", "everything"], "unknown recompute policy"),
+        ("sqrt", BOTH, "without weighing policies, so each block can get one policy"),
+    ],
+)
+def test_malformed_policy_lists_are_refused(strategy, policy, match):
+    model = models_zoo.transformer_encoder(layers=1, sequence=8, hidden=16, heads=2)
+    with pytest.raises((ValueError, TypeError), match=match) as info:
+        tfrecompute.recompute(model, strategy, policy=policy)
+    assert CONVENTION.match(_own_message(info.value))
+
+
+def test_a_plan_over_two_policies_needs_both_to_apply():
+    keras.utils.set_random_seed(0)
+    model = models_zoo.transformer_encoder(layers=1, sequence=8, hidden=16, heads=2)
+    chain = tfrecompute.profile(model, batch_size=4, policy=BOTH)
+    chosen = tfrecompute.strategies.Plan.from_segments(chain, [(0, 1)], selective=[2])
+    for wrong in ("dots", ["dots", "attention"]):
+        with pytest.raises(ValueError, match="does not match") as info:
+            tfrecompute.recompute(model, chosen, policy=wrong)
+        assert CONVENTION.match(_own_message(info.value))
+
+
+def test_the_command_line_plans_with_two_policies(tmp_path, capsys):
+    from tfrecompute.cli.command import main
+
+    keras.utils.set_random_seed(0)
+    model = models_zoo.transformer_encoder(layers=2, sequence=32, hidden=16, heads=2)
+    model.compile(optimizer="sgd", loss="mse")
+    path = str(tmp_path / "encoder.keras")
+    model.save(path)
+    assert main(["profile", path, "--batch-size", "8", "--policy", "attention,dots"]) == 0
+    out = capsys.readouterr().out
+    assert "Under 'attention' the links keep" in out and "Under 'dots' the links keep" in out
+    assert main(["frontier", path, "--batch-size", "8", "--policy", "attention,dots"]) == 0
+    assert "selective" in capsys.readouterr().out
+    assert main(["profile", path, "--batch-size", "8", "--policy", "attention,everything"]) == 2
+    assert "unknown policy 'everything'" in capsys.readouterr().err

@@ -40,7 +40,7 @@ from tfrecompute.check.measure import measure_step
 from tfrecompute.costs.profile import COMPILED, ProfiledModel, batch_of, profile_graph, traced_graph
 from tfrecompute.errors import InfeasibleBudgetError
 from tfrecompute.layers.in_place import Checkpoints, restored_on_error
-from tfrecompute.layers.policy import resolve_policy
+from tfrecompute.layers.policy import planned_policies
 from tfrecompute.rewrite.apply import apply, block_policies
 from tfrecompute.strategies.units import budget_bytes
 
@@ -203,7 +203,7 @@ def planner(
     policy: Any = None,
 ) -> _Planner:
     """Checks the sample and the model, and profiles the model at the sample's shapes."""
-    resolve_policy(api, policy)
+    planned_policies(api, policy)
     x, y = labelled(api, sample)
     _check_compiled(api, model)
     chosen = strategies.get(strategy)

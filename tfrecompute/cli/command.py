@@ -96,6 +96,21 @@ def _positive_int(text: str) -> int:
     return value
 
 
+_POLICIES = ("nothing", "dots", "attention")
+
+
+def _policies(text: str) -> str | list[str]:
+    """`--policy`: one name, or several joined by commas (a state each)."""
+    names = [name.strip() for name in text.split(",")]
+    for name in names:
+        if name not in _POLICIES:
+            raise argparse.ArgumentTypeError(
+                f"unknown policy {name!r}: choose from {', '.join(_POLICIES)}, or several "
+                "joined by commas (attention,dots)"
+            )
+    return names[0] if len(names) == 1 else names
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tfrecompute",
@@ -201,10 +216,11 @@ def _model_options(sub: argparse.ArgumentParser) -> None:
     )
     sub.add_argument(
         "--policy",
-        choices=("nothing", "dots", "attention"),
+        type=_policies,
         help='plan with a recompute policy: "dots" lets a segment keep its weight products '
         'and recompute the rest, "attention" keep all but its attention cores (a third '
-        "state per segment, shown as 'selective')",
+        "state per segment, shown as 'selective'); several joined by commas "
+        "(attention,dots) give the planner a state each",
     )
     sub.add_argument(
         "-v",
@@ -601,11 +617,11 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     )
     what = "measured time" if args.measure_time else "estimated FLOPs"
     print(f"{cost}: each link's forward ({what}); copy: the copy of its input a recompute reads")
-    if chain.policy_kept_bytes is not None and chain.policy_forward_cost is not None:
-        kept = chain.policy_kept_bytes
-        again = _cost(math.fsum(chain.policy_forward_cost), args.measure_time)
+    for state, (kept, cheaper) in enumerate(chain.policy_states, start=1):
+        again = _cost(math.fsum(cheaper), args.measure_time)
+        under = "the policy" if len(chain.policy_states) == 1 else repr(chain.policy_name(state))
         print(
-            f"Under the policy the links keep {fmt(sum(kept))} in total and "
+            f"Under {under} the links keep {fmt(sum(kept))} in total and "
             f"recompute for {again}{'' if args.measure_time else 'FLOPs'}"
         )
     if any(chain.kept_grad_bytes):
@@ -658,7 +674,7 @@ def _cmd_frontier(args: argparse.Namespace) -> int:
     rows = [[fmt(p.peak_bytes), f"{_share(p):.1f}%", str(len(p.segments))] for p in shown]
     if chain.has_policy:  # how many segments each plan recomputes under the policy
         header += ("selective",)
-        rows = [[*row, str(sum(p.selective))] for row, p in zip(rows, shown)]
+        rows = [[*row, str(sum(map(bool, p.selective)))] for row, p in zip(rows, shown)]
     print(
         f"Pareto frontier of {chain.n} links at batch size {args.batch_size}: "
         f"{len(points)} plans" + (f", {len(shown)} shown" if len(shown) < len(points) else "")

@@ -34,7 +34,7 @@ from tfrecompute.graph.layer_graph import Call, LayerGraph, tensor_bytes, traina
 from tfrecompute.layers import RecomputeBlock
 from tfrecompute.layers.attention import attention_layers
 from tfrecompute.layers.in_place import suspended
-from tfrecompute.layers.policy import policy_scope, resolve_policy
+from tfrecompute.layers.policy import planned_policies, policy_label, policy_scope, resolve_policy
 
 __all__ = [
     "COMPILED",
@@ -140,6 +140,9 @@ def profile(
         policy: a recompute policy (see `RecomputeBlock`): the chain then
             has the third state, each link's `policy_kept_bytes` and
             `policy_forward_cost` under it (`tfrecompute.costs.policy_state`).
+            A list of policies (e.g. `["attention", "dots"]`) gives a state
+            each, in order (`Chain.policy_states`, named in
+            `Chain.policy_names`).
         measure: whether to run calls and read the allocator
             (`tfrecompute.costs.measured`): None (the default) measures only
             the calls whose graph does not show what they allocate (XLA
@@ -166,7 +169,7 @@ def profile(
     chain = tfrecompute.profile(backbone, sample=batch)  # shapes from the batch
     ```
     """
-    resolve_policy("profile", policy)
+    planned_policies("profile", policy)
     as_bool("profile", "measure_time", measure_time)
     if measure is not None:
         as_bool("profile", "measure", measure, fix="Pass measure=None, True or False")
@@ -302,30 +305,10 @@ def _profile_graph(
     skips = _carries(graph, link_of, len(links), sizes)
     per_link = _link_costs(graph, links, _Reads(memories, needed, seconds), sizes, skips)
     forward = [c.forward_cost for c in per_link]
-    kept = cheaper = None
-    scope = policy_scope(policy)
-    if scope is not None:  # NOTE [ The attention state ]
-        holds = _holds_attention(graph)
-        with scope([graph.model]):
-            untimed = dataclasses.replace(measuring, time=False)
-            again, _ = _call_memories(graph, batch_size, None, untimed, redo=holds, reuse=memories)
-        scoped = _link_costs(graph, links, _Reads(again, needed, None), sizes, skips)
-        kept = [c.saved for c in scoped]
-        forward, cheaper = _attention_costs(
-            graph, links, batch_size, forward, timed=measuring.time, holds_attention=holds
-        )
-    elif (function := resolve_policy("profile", policy)) is not None:
-        flops = _link_flops(graph, links, batch_size)
-        kept, cheaper = policy_link_costs(graph, links, batch_size, function, forward, flops)
-        if measuring.time:
-            cheaper = _timed_state(
-                graph,
-                links,
-                forward,
-                lambda call: policy_recompute_seconds(
-                    call.layer, call.args, call.kwargs, batch_size, function
-                ),
-            )
+    policies = planned_policies("profile", policy)
+    traced = _Traced(measuring, memories, needed, sizes, skips)
+    forward, states = _policy_states(graph, links, batch_size, forward, policies, traced)
+    first = states[0] if states else (None, None)
     return strategies.Chain(
         sizes.of(graph.inputs),
         [c.output for c in per_link],
@@ -342,10 +325,89 @@ def _profile_graph(
         applied_workspace_bytes=updates.applied_workspace_bytes,
         names=[c.name for c in per_link],
         max_stop=_max_stops(graph, links, sizes, selection("profile", where)),
-        policy_kept_bytes=kept,
-        policy_forward_cost=cheaper,
+        policy_kept_bytes=first[0],
+        policy_forward_cost=first[1],
+        more_policies=states[1:],
+        policy_names=[policy_label(each) for each in policies],
         source=ProfiledModel(graph, tuple(links), batch_size),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Traced:
+    """What `_profile_graph` found of the calls, which a policy state traces again."""
+
+    measuring: _Measuring
+    memories: Any
+    needed: Any
+    sizes: _Sizes
+    skips: Any
+
+
+def _policy_states(
+    graph: LayerGraph, links: list[tuple[int, int]], batch_size: int, forward: list[float],
+    policies: tuple[Any, ...], traced: _Traced,
+) -> tuple[list[float], list[tuple[list[int], list[float]]]]:  # fmt: skip
+    """The links' forward costs and, per policy, `(kept bytes, recompute cost)` per link.
+
+    The attention state comes first whatever its place: by FLOPs it adds the cores to
+    every link's forward (NOTE [ The attention state ]), which a "dots" recompute runs
+    too, so a product state costs what it costs priced alone plus the cores.
+    """
+    found: dict[int, tuple[list[int], list[float]]] = {}
+    alone = list(forward)
+    for index in sorted(range(len(policies)), key=lambda i: policy_scope(policies[i]) is None):
+        each = policies[index]
+        if policy_scope(each) is not None:
+            kept = _attention_kept(graph, links, batch_size, traced)
+            forward, cheaper = _attention_costs(
+                graph, links, batch_size, forward, timed=traced.measuring.time,
+                holds_attention=_holds_attention(graph),
+            )  # fmt: skip
+        else:
+            timed = traced.measuring.time
+            kept, cheaper = _product_state(graph, links, batch_size, each, alone, timed)
+            cheaper = [c + f - a for c, f, a in zip(cheaper, forward, alone)]
+        found[index] = (kept, cheaper)
+    return forward, [found[index] for index in range(len(policies))]
+
+
+def _attention_kept(
+    graph: LayerGraph, links: list[tuple[int, int]], batch_size: int, traced: _Traced
+) -> list[int]:
+    """Per link, the bytes it keeps with its attention cores checkpointed: the calls that
+    hold an attention layer traced again inside the policy's scope."""
+    scope = policy_scope("attention")
+    assert scope is not None
+    holds = _holds_attention(graph)
+    with scope([graph.model]):
+        untimed = dataclasses.replace(traced.measuring, time=False)
+        again, _ = _call_memories(
+            graph, batch_size, None, untimed, redo=holds, reuse=traced.memories
+        )
+    reads = _Reads(again, traced.needed, None)
+    return [c.saved for c in _link_costs(graph, links, reads, traced.sizes, traced.skips)]
+
+
+def _product_state(
+    graph: LayerGraph, links: list[tuple[int, int]], batch_size: int, policy: Any,
+    forward: list[float], timed: bool,
+) -> tuple[list[int], list[float]]:  # fmt: skip
+    """Per link, what a policy that keeps products keeps, and its recompute's cost."""
+    function = resolve_policy("profile", policy)
+    assert function is not None
+    flops = _link_flops(graph, links, batch_size)
+    kept, cheaper = policy_link_costs(graph, links, batch_size, function, forward, flops)
+    if timed:
+        cheaper = _timed_state(
+            graph,
+            links,
+            forward,
+            lambda call: policy_recompute_seconds(
+                call.layer, call.args, call.kwargs, batch_size, function
+            ),
+        )
+    return kept, cheaper
 
 
 def _link_flops(graph: LayerGraph, links: list[tuple[int, int]], batch_size: int) -> list[float]:

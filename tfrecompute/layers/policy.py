@@ -68,6 +68,8 @@ __all__ = [
     "deserialize_policy",
     "policy_scope",
     "register_scope",
+    "planned_policies",
+    "policy_label",
     "resolve_policy",
     "serialize_policy",
 ]
@@ -180,6 +182,52 @@ def resolve_policy(api: str, policy: Any) -> Policy | None:
         )
     intercept_backend_ops(_intercepted)
     return policy
+
+
+def planned_policies(api: str, policy: Any) -> tuple[Any, ...]:
+    """The policies a planner weighs, one state each: () for None or "nothing", `(policy,)`
+    for one, the entries of a list or tuple of several (e.g. `["attention", "dots"]`).
+
+    Each entry is checked as `resolve_policy` checks one; an entry that recomputes
+    everything (None, "nothing": the planner's own whole-recompute state) or that repeats
+    is refused.
+    """
+    if not isinstance(policy, (list, tuple)):
+        return (
+            ()
+            if resolve_policy(api, policy) is None and policy_scope(policy) is None
+            else (policy,)
+        )
+    if not policy:
+        fail(api, "the list of policies is empty", "policy", policy,
+             "Pass one or more policies, e.g. ['attention', 'dots'], or None")  # fmt: skip
+    for index, each in enumerate(policy):
+        if isinstance(each, (list, tuple)):
+            fail(api, f"policy[{index}] is a list; policies do not nest", "policy", policy,
+                 "Pass a flat list, e.g. ['attention', 'dots']", error=TypeError)  # fmt: skip
+        if resolve_policy(api, each) is None and policy_scope(each) is None:
+            fail(
+                api,
+                f"policy[{index}] ({each!r}) recomputes everything, which the planner "
+                "already weighs for every segment",
+                "policy",
+                policy,
+                "Leave it out of the list: pass only policies that keep something, "
+                "e.g. ['attention', 'dots']",
+            )
+    if len(set(map(_identity, policy))) != len(policy):
+        fail(api, "a policy appears twice in the list", "policy", policy,
+             "Pass each policy once")  # fmt: skip
+    return tuple(policy)
+
+
+def policy_label(policy: Any) -> str:
+    """A policy's name for summaries: its name, or a function's `__name__`."""
+    return policy if isinstance(policy, str) else getattr(policy, "__name__", repr(policy))
+
+
+def _identity(policy: Any) -> Any:
+    return policy if isinstance(policy, str) else id(policy)
 
 
 def serialize_policy(api: str, policy: Any) -> Any:

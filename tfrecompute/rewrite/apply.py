@@ -49,6 +49,7 @@ from tfrecompute.layers.in_place import (
     remove,
     route_call,
 )
+from tfrecompute.layers.policy import planned_policies, policy_label
 
 __all__ = ["apply", "block_policies", "substituted"]
 
@@ -128,14 +129,26 @@ def apply(
 def block_policies(api: str, plan: strategies.Plan, policy: Any) -> list[Any]:
     """Each segment's policy, for `rewrite(..., policies=...)`.
 
-    A plan that weighed the third state (`optimal` on a chain with policy
-    costs) says per segment (`Plan.selective`); any other plan's blocks all
-    get `policy`: the user chose the segments and asked for the policy.
+    A plan that weighed policy states (`optimal` on a chain with policy
+    costs) says per segment (`Plan.selective`: state `k` is the `k`-th
+    policy of `policy`, a list when there are several); any other plan's
+    blocks all get `policy`: the user chose the segments and asked for one.
     """
+    given = planned_policies(api, policy)
     weighed = bool(plan.selective) or (plan.chain.has_policy and plan.strategy == "optimal")
     if not weighed:
-        return [policy] * len(plan.segments)
-    if policy is None:
+        if len(given) > 1:
+            fail(
+                api,
+                f"plan {plan.strategy!r} chose the segments without weighing policies, so "
+                "each block can get one policy, not a list",
+                "policy",
+                policy,
+                "Pass one policy, or let the planner weigh several (the default strategy "
+                "or 'optimal', with a budget or none)",
+            )
+        return [given[0] if given else None] * len(plan.segments)
+    if not given:
         fail(
             api,
             "the plan recomputes segments under a recompute policy, but no policy is given",
@@ -143,7 +156,21 @@ def block_policies(api: str, plan: strategies.Plan, policy: Any) -> list[Any]:
             policy,
             f"Pass the policy the plan was made with, e.g. {api}(model, plan, policy='dots')",
         )
-    return [policy if plan.is_selective(i) else None for i in range(len(plan.segments))]
+    chain = plan.chain
+    wanted = chain.policy_names or None
+    if len(given) != len(chain.policy_states) or (
+        wanted is not None and tuple(map(policy_label, given)) != wanted
+    ):
+        made = list(wanted) if wanted else f"{len(chain.policy_states)} policies"
+        fail(
+            api,
+            f"the plan recomputes segments under the policies it was made with ({made}), "
+            f"which policy={policy!r} does not match",
+            "policy",
+            policy,
+            f"Pass the policy the plan was made with, e.g. {api}(model, plan, policy='dots')",
+        )
+    return [given[plan.state(i) - 1] if plan.state(i) else None for i in range(len(plan.segments))]
 
 
 def _regions(graph: LayerGraph) -> list[Region]:

@@ -1,4 +1,4 @@
-"""Exact search over three-state plans: stored, recomputed, recomputed under the policy.
+"""Exact search over plans with policy states: stored, recomputed, recomputed under a policy.
 
 Private to the package.
 
@@ -19,12 +19,16 @@ policy_kept_bytes[i]`, `K` their sums) and peaks at
 copy). For a fixed start `s` all three are running maxima over `j` plus terms
 of `e`, so a row of elements costs `O(n)`.
 
+With several policy states (`Chain.more_policies`: `"attention"` and
+`"dots"` beside recomputing whole, four states in all) each state's segments
+are one more row of elements, with that state's `k_i` and costs.
+
 The search is the Pareto-label DP of `_solver.py` (NOTE [ Labels ]) in plain
 Python, without its bounded-work passes: labels `(R, cost)` per position,
 prepending an element gives `(max(L, h + R), cost + c)`, and dominated labels
 are dropped. Costs are exact (`Fraction`s of the floats). It is exact over
 all plans `Chain.max_stop` allows; `tests/strategies/test_selective.py`
-checks it against a brute force over every three-state plan. Of plans with
+checks it against a brute force over every three- and four-state plan. Of plans with
 equal cost and peak it returns one, not necessarily the one with the fewest
 segments. It is meant for profiled models (tens to a few hundred links).
 """
@@ -45,7 +49,7 @@ _NONE = -(1 << 62)  # the headroom of an empty suffix
 
 @dataclass(frozen=True)
 class Element:
-    """One element of a plan: `mode` 0 stored link, 1 recomputed, 2 selective segment."""
+    """One element of a plan: `mode` -1 stored link, 0 recomputed, `k` under policy state `k`."""
 
     start: int
     stop: int
@@ -64,16 +68,16 @@ class Label:
     element: Element | None
     rest: Label | None
 
-    def plan(self) -> tuple[tuple[tuple[int, int], ...], tuple[bool, ...]]:
-        """The segments and their selective flags."""
+    def plan(self) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]]:
+        """The segments and their states (0 whole, `k` policy state `k`)."""
         segments: list[tuple[int, int]] = []
-        flags: list[bool] = []
+        flags: list[int] = []
         label: Label | None = self
         while label is not None and label.element is not None:
             element = label.element
-            if element.mode:
+            if element.mode >= 0:
                 segments.append((element.start, element.stop))
-                flags.append(element.mode == 2)
+                flags.append(element.mode)
             label = label.rest
         return tuple(segments), tuple(flags)
 
@@ -86,36 +90,33 @@ class _Terms:
         self.chain = chain
         self.act = (chain.input_bytes, *chain.output_bytes)
         self.saved_prefix = [0, *itertools.accumulate(chain.saved_bytes)]
-        kept = chain.policy_kept_bytes or (0,) * n
-        self.kept = kept
-        self.kept_prefix = [0, *itertools.accumulate(kept)]
+        states = ((0,) * n, *(kept for kept, _ in chain.policy_states))
+        self.kept_prefix = [[0, *itertools.accumulate(kept)] for kept in states]
         self.grads, self.regrads = chain.live_gradients()
         self.applied = [0, *itertools.accumulate(chain.applied_grad_bytes)]
         self.lag = chain.UPDATE_LAG
-        full = [Fraction(c) for c in chain.forward_cost]
-        policy = [Fraction(c) for c in (chain.policy_forward_cost or chain.forward_cost)]
-        self.cost_prefix = (
-            [Fraction(0), *itertools.accumulate(full)],
-            [Fraction(0), *itertools.accumulate(policy)],
-        )
+        costs = (chain.forward_cost, *(cost for _, cost in chain.policy_states))
+        self.cost_prefix = [
+            [Fraction(0), *itertools.accumulate(Fraction(c) for c in cost)] for cost in costs
+        ]
 
     def stored(self, i: int) -> Element:
         chain, act = self.chain, self.act
         window = self.applied[min(self.n, i + self.lag + 1)] - self.applied[i]
         peak = chain.saved_bytes[i] + act[i + 1] + chain.input_grad_bytes[i]
         peak += chain.workspace_bytes[i] + self.grads[i] + window
-        return Element(i, i + 1, 0, chain.saved_bytes[i], peak, Fraction(0))
+        return Element(i, i + 1, -1, chain.saved_bytes[i], peak, Fraction(0))
 
-    def segments(self, s: int, selective: bool) -> list[Element]:
-        """The segments `[s, e)` of one mode for every allowed stop `e`, in `O(n)`."""
+    def segments(self, s: int, state: int) -> list[Element]:
+        """The segments `[s, e)` of one state for every allowed stop `e`, in `O(n)`."""
         chain, act, n, lag = self.chain, self.act, self.n, self.lag
         stop_max = chain.max_stop[s]
         if stop_max <= s:
             return []
         carries = carry_profile(chain, s, stop_max) if chain.carries else [0] * (stop_max - s + 1)
-        kp = self.kept_prefix if selective else [0] * (n + 1)
+        kp = self.kept_prefix[state]
         sp, applied, copy = self.saved_prefix, self.applied, chain.input_copy_bytes[s]
-        prefix = self.cost_prefix[1 if selective else 0]
+        prefix = self.cost_prefix[state]
         found: list[Element] = []
         forward = recompute = far = _NONE
         for e in range(s + 1, stop_max + 1):
@@ -140,8 +141,7 @@ class _Terms:
                 far + applied[e] if far > _NONE else _NONE,
             )
             held = act[e] + carries[e - s] + kp[e] - kp[s]
-            mode = 2 if selective else 1
-            found.append(Element(s, e, mode, held, peak, prefix[e] - prefix[s]))
+            found.append(Element(s, e, state, held, peak, prefix[e] - prefix[s]))
         return found
 
     def _backward(self, s: int, j: int, copy: int) -> int:
@@ -176,7 +176,7 @@ def solve(chain: Chain, headroom_limit: int | None = None) -> list[Label]:
         >>> chain = Chain(10, [10] * 4, [100] * 4, [4.0] * 4,
         ...               policy_kept_bytes=[10] * 4, policy_forward_cost=[1.0] * 4)
         >>> [(label.headroom + 10, float(label.cost), label.plan()) for label in solve(chain)][-2:]
-        [(350, 1.0, (((2, 3),), (True,))), (430, 0.0, ((), ()))]
+        [(350, 1.0, (((2, 3),), (1,))), (430, 0.0, ((), ()))]
     """
     terms = _Terms(chain)
     n = chain.n
@@ -184,9 +184,9 @@ def solve(chain: Chain, headroom_limit: int | None = None) -> list[Label]:
     labels: list[list[Label]] = [[] for _ in range(n + 1)]
     labels[n] = [Label(_NONE, Fraction(0), None, None)]
     for s in range(n - 1, -1, -1):
-        elements = [terms.stored(s), *terms.segments(s, False)]
-        if chain.has_policy:
-            elements += terms.segments(s, True)
+        elements = [terms.stored(s)]
+        for state in range(1 + len(chain.policy_states)):
+            elements += terms.segments(s, state)
         candidates = []
         for element in elements:
             for rest in labels[element.stop]:

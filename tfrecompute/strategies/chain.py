@@ -102,6 +102,15 @@ class Chain:
         policy_forward_cost: the cost of link `i`'s recompute under the
             policy (its forward cost less the products it keeps); None with
             `policy_kept_bytes`.
+        more_policies: further recompute states, one `(kept_bytes,
+            forward_cost)` pair per policy, each per link as the two fields
+            above (default none; needs `policy_kept_bytes`). The planner
+            weighs every state per segment: with `policy_kept_bytes` under
+            `"attention"` and one more pair under `"dots"`, a link is stored,
+            recomputed whole, or recomputed under either (`policy_states`).
+        policy_names: what each policy state is, for summaries (e.g.
+            `("attention", "dots")`): one name per state, or () (the
+            default: unnamed). Not part of equality or repr.
         source: what the chain was profiled from, opaque to the planner and
             not part of equality or repr: `tfrecompute.profile` sets it to the
             model's link map, so that `tfrecompute.recompute(model, plan)`
@@ -141,6 +150,8 @@ class Chain:
     applied_workspace_bytes: int = 0
     policy_kept_bytes: tuple[int, ...] | None = None
     policy_forward_cost: tuple[float, ...] | None = None
+    more_policies: tuple[tuple[tuple[int, ...], tuple[float, ...]], ...] = ()
+    policy_names: tuple[str, ...] = field(default=(), compare=False, repr=False)
     source: object = field(default=None, compare=False, repr=False)
 
     def __init__(
@@ -165,6 +176,8 @@ class Chain:
         applied_workspace_bytes: int = 0,
         policy_kept_bytes: Iterable[int] | None = None,
         policy_forward_cost: Iterable[float] | None = None,
+        more_policies: Iterable[tuple[Iterable[int], Iterable[float]]] = (),
+        policy_names: Iterable[str] = (),
         source: object = None,
     ) -> None:
         """Validates and stores the costs; see the class docstring for the fields.
@@ -177,7 +190,9 @@ class Chain:
                 range or skip no link, or `input_grad_bytes[i]` or
                 `input_copy_bytes[i]` exceeds the size of `x_i`, or
                 `max_stop[s]` is outside `s..n`, or only one of
-                `policy_kept_bytes` and `policy_forward_cost` is given.
+                `policy_kept_bytes` and `policy_forward_cost` is given, or
+                `more_policies` without them, or `policy_names` not one
+                name per policy state.
         """
         outputs = _byte_tuple("output_bytes", output_bytes)
         n = len(outputs)
@@ -227,6 +242,10 @@ class Chain:
             **_policy_costs(policy_kept_bytes, policy_forward_cost, n),
             "source": source,
         }
+        more = _more_policies(more_policies, fields["policy_kept_bytes"], n)
+        fields["more_policies"] = more
+        states = 0 if fields["policy_kept_bytes"] is None else 1 + len(more)
+        fields["policy_names"] = _policy_names(policy_names, states)
         for name, value in fields.items():
             object.__setattr__(self, name, value)
 
@@ -255,6 +274,26 @@ class Chain:
     def has_policy(self) -> bool:
         """Whether links have a third state, recomputed under a policy (`policy_kept_bytes`)."""
         return self.policy_kept_bytes is not None
+
+    @property
+    def policy_states(self) -> tuple[tuple[tuple[int, ...], tuple[float, ...]], ...]:
+        """Every policy state's `(kept_bytes, forward_cost)`: state `k` (1-based) is entry `k - 1`.
+
+        Example:
+            >>> chain = Chain(1, [1] * 2, [4] * 2, [2.0] * 2, policy_kept_bytes=[1, 1],
+            ...               policy_forward_cost=[1.0, 1.0], more_policies=[([2, 2], [0.5, 0.5])])
+            >>> [kept for kept, _ in chain.policy_states]
+            [(1, 1), (2, 2)]
+        """
+        if self.policy_kept_bytes is None or self.policy_forward_cost is None:
+            return ()
+        return ((self.policy_kept_bytes, self.policy_forward_cost), *self.more_policies)
+
+    def policy_name(self, state: int) -> str:
+        """How summaries name policy state `state` (1-based): its `policy_names` entry."""
+        if self.policy_names:
+            return self.policy_names[state - 1]
+        return "policy" if len(self.policy_states) == 1 else f"policy {state}"
 
     @property
     def n(self) -> int:
@@ -400,6 +439,53 @@ def _policy_costs(kept: object, cost: object, n: int) -> dict[str, object]:
         "policy_kept_bytes": _byte_tuple("policy_kept_bytes", kept, n=n),
         "policy_forward_cost": _cost_tuple("policy_forward_cost", cost, n=n),
     }
+
+
+def _more_policies(
+    values: object, first: object, n: int
+) -> tuple[tuple[tuple[int, ...], tuple[float, ...]], ...]:
+    """`more_policies`: `(kept_bytes, forward_cost)` pairs, each per link; only after a first."""
+    pairs = as_sequence(_API, "more_policies", values)
+    if pairs and first is None:
+        fail(
+            _API,
+            "more_policies is given without policy_kept_bytes; further states follow a first",
+            "more_policies",
+            values,
+            "Pass the first policy's policy_kept_bytes and policy_forward_cost too",
+        )
+    found = []
+    for k, pair in enumerate(pairs):
+        items = as_sequence(_API, f"more_policies[{k}]", pair)
+        if len(items) != 2:
+            fail(
+                _API,
+                f"more_policies[{k}] must be a (kept_bytes, forward_cost) pair",
+                f"more_policies[{k}]",
+                pair,
+                "Pass one pair per further policy, each a per-link sequence",
+            )
+        found.append(
+            (
+                _byte_tuple(f"more_policies[{k}][0]", items[0], n=n),
+                _cost_tuple(f"more_policies[{k}][1]", items[1], n=n),
+            )
+        )
+    return tuple(found)
+
+
+def _policy_names(values: object, states: int) -> tuple[str, ...]:
+    """`policy_names`: () or one string per policy state."""
+    names = as_sequence(_API, "policy_names", values)
+    if names and (len(names) != states or not all(isinstance(name, str) for name in names)):
+        fail(
+            _API,
+            f"policy_names must be one string per policy state ({states} here)",
+            "policy_names",
+            values,
+            "Pass a name per state, e.g. ('attention', 'dots'), or ()",
+        )
+    return tuple(str(name) for name in names)
 
 
 def _optional_bytes(name: str, values: object, n: int) -> tuple[int, ...]:

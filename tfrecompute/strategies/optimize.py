@@ -18,9 +18,10 @@ is False. Chains of up to 16 links are always solved exactly.
 On a chain with a third state (`Chain.policy_kept_bytes`: a segment may be
 recomputed under the recompute policy) `optimal` and `frontier` search the
 three-state plans exactly (`_selective.py`, without a work bound); the plan's
-`selective` flags mark the segments recomputed under the policy. The least
-peak is the two-state one: a selective segment never peaks below the same
-segment recomputed whole.
+`selective` flags mark the segments recomputed under the policy. With several
+policy states (`Chain.more_policies`) the search covers them all and
+`selective` gives each segment's state. The least peak is the two-state one: a
+selective segment never peaks below the same segment recomputed whole.
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ def frontier(chain: Chain, *, max_work: int | None = DEFAULT_MAX_WORK) -> list[P
 
 
 def _three_state(chain: Chain, limit: int, *, least: bool) -> Plan:
-    """The three-state `optimal`: the cheapest plan within `limit` (the least peak if `least`)."""
+    """`optimal` with policy states: the cheapest plan within `limit` (least peak if `least`)."""
     base = chain.overhead_bytes + chain.input_bytes
     labels = _selective.solve(chain, limit - base)
     # Sorted by headroom ascending, cost strictly descending.

@@ -44,9 +44,11 @@ class Plan:
         proven_optimal: True when the planner proved that no plan within the same
             peak costs less (the `optimal` strategy when its search was exact,
             and the points of `frontier`); False otherwise.
-        selective: per segment, whether it is recomputed under the recompute
-            policy the chain was profiled with (its third state,
-            `Chain.policy_kept_bytes`); () when none is (not part of repr).
+        selective: per segment, its state: 0 recomputed whole, 1 under the
+            recompute policy the chain was profiled with (its third state,
+            `Chain.policy_kept_bytes`), `k` under the `k`-th of several
+            (`Chain.policy_states`); () when none is (not part of repr).
+            `True`/`False` are accepted for 1/0; stored as ints.
 
     Example:
         >>> chain = Chain.homogeneous(4, activation_bytes=100)
@@ -61,7 +63,7 @@ class Plan:
     strategy: str
     chain: Chain = field(compare=False, repr=False)
     proven_optimal: bool = False
-    selective: tuple[bool, ...] = field(default=(), repr=False)
+    selective: tuple[int, ...] = field(default=(), repr=False)
 
     def __init__(
         self,
@@ -72,7 +74,7 @@ class Plan:
         strategy: str,
         chain: Chain,
         proven_optimal: bool = False,
-        selective: Iterable[bool] | None = None,
+        selective: Iterable[int] | None = None,
     ) -> None:
         """Validates the fields; use `Plan.from_segments` to compute peak and cost.
 
@@ -141,7 +143,7 @@ class Plan:
         segments: Iterable[Sequence[int]],
         *,
         strategy: str = "manual",
-        selective: Iterable[bool] | None = None,
+        selective: Iterable[int] | None = None,
     ) -> Plan:
         """Builds a plan from segments, its peak and cost predicted by `simulate`.
 
@@ -151,7 +153,8 @@ class Plan:
                 recomputed links.
             strategy: the name recorded in the plan.
             selective: per segment, whether it is recomputed under the policy
-                (see `Chain.policy_kept_bytes`); None: none is.
+                (see `Chain.policy_kept_bytes`), or its policy state (0 whole,
+                `k` the `k`-th of `Chain.policy_states`); None: none is.
 
         Returns:
             The plan.
@@ -188,8 +191,12 @@ proven_optimal=False)
         return timeline(self.chain, self.segments, selective=self.selective or None)
 
     def is_selective(self, index: int) -> bool:
-        """Whether segment `index` is recomputed under the policy."""
-        return bool(self.selective) and self.selective[index]
+        """Whether segment `index` is recomputed under a policy."""
+        return self.state(index) > 0
+
+    def state(self, index: int) -> int:
+        """Segment `index`'s state: 0 recomputed whole, `k` under policy state `k`."""
+        return self.selective[index] if self.selective else 0
 
     def summary(self, *, all_names: bool = False) -> str:
         """A readable table of the plan: one row per run of stored links or segment.
@@ -234,8 +241,8 @@ proven_optimal=False)
         chain = self.chain
         runs = _runs(chain.n, self.segments)
         header = ("links", "names", "mode", "held", "recompute cost")
-        selective = {self.segments[i] for i in range(len(self.segments)) if self.is_selective(i)}
-        rows = [self._row(s, e, recomputed, (s, e) in selective) for s, e, recomputed in runs]
+        states = {segment: self.state(i) for i, segment in enumerate(self.segments)}
+        rows = [self._row(s, e, recomputed, states.get((s, e), 0)) for s, e, recomputed in runs]
         width = None if all_names else free_width(header, rows, 1)
         for row, (s, e, _) in zip(rows, runs):
             names = chain.names[s:e]
@@ -253,16 +260,18 @@ proven_optimal=False)
             ]
         )
 
-    def _row(self, s: int, e: int, recomputed: bool, selective: bool = False) -> list[str]:
+    def _row(self, s: int, e: int, recomputed: bool, state: int = 0) -> list[str]:
         """A row of `summary` for links `s..e-1`, its names left empty."""
         chain = self.chain
         span = str(s) if e - s == 1 else f"{s}-{e - 1}"
         if recomputed:  # its output and the carries it hands on
             held = chain.output_bytes[e - 1] + chain.carried_bytes(s, e)
-            if selective and chain.policy_kept_bytes is not None:
-                held += sum(chain.policy_kept_bytes[s:e])
-            cost = _number(recompute_cost(chain, ((s, e),), (selective,)))
-            mode = "selective" if selective else "recomputed"
+            mode = "recomputed"
+            if state:
+                held += sum(chain.policy_states[state - 1][0][s:e])
+                one = len(chain.policy_states) == 1 and not chain.policy_names
+                mode = "selective" if one else f"selective ({chain.policy_name(state)})"
+            cost = _number(recompute_cost(chain, ((s, e),), (state,)))
             return [span, "", mode, format_bytes(held), cost]
         return [span, "", "stored", format_bytes(sum(chain.saved_bytes[s:e])), "-"]
 

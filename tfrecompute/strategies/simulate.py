@@ -85,7 +85,10 @@ marks such segments): its forward also keeps the products the policy keeps,
 the held outputs, and while link `j` is recomputed the products of the links
 not yet recomputed, `K(j..e-1)`, are still live (each is used by its link's
 recompute). Its recompute costs `policy_forward_cost` instead of
-`forward_cost`.
+`forward_cost`. A chain may have several policy states (`more_policies`:
+`"attention"` and `"dots"`, say); `selective` then gives each segment's state
+(0 whole, `k` the `k`-th policy), and the segment uses that state's `k_i` and
+costs.
 
 The step ends with the optimizer update, when `H = a_0` and all parameter
 gradients kept for it are live, with the copies the optimizer makes of them
@@ -195,7 +198,7 @@ class Estimate(NamedTuple):
 
 
 def timeline(
-    chain: Chain, segments: Iterable[Sequence[int]], *, selective: Iterable[bool] | None = None
+    chain: Chain, segments: Iterable[Sequence[int]], *, selective: Iterable[int] | None = None
 ) -> list[MemoryEvent]:
     """Replays one training step of a plan, moment by moment.
 
@@ -204,7 +207,9 @@ def timeline(
         segments: sorted, disjoint half-open ranges `(start, stop)` of recomputed
             links (adjacent ranges allowed).
         selective: per segment, whether it is recomputed under the policy
-            (needs a chain with `policy_kept_bytes`); None: none is.
+            (needs a chain with `policy_kept_bytes`), or with several policy
+            states its state (0 whole, `k` under `Chain.policy_states[k-1]`);
+            None: none is.
 
     Returns:
         The events in time order: `n` forward events, then for each element in
@@ -225,7 +230,7 @@ def timeline(
 
 
 def simulate(
-    chain: Chain, segments: Iterable[Sequence[int]], *, selective: Iterable[bool] | None = None
+    chain: Chain, segments: Iterable[Sequence[int]], *, selective: Iterable[int] | None = None
 ) -> Estimate:
     """Predicts the peak memory and the recompute cost of a plan.
 
@@ -237,7 +242,9 @@ def simulate(
         segments: sorted, disjoint half-open ranges `(start, stop)` of recomputed
             links.
         selective: per segment, whether it is recomputed under the policy
-            (needs a chain with `policy_kept_bytes`); None: none is.
+            (needs a chain with `policy_kept_bytes`), or with several policy
+            states its state (0 whole, `k` under `Chain.policy_states[k-1]`);
+            None: none is.
 
     Returns:
         `Estimate(peak_bytes, recompute_cost)`.
@@ -257,7 +264,7 @@ def simulate(
 
 
 def estimate(
-    chain: Chain, segments: tuple[tuple[int, int], ...], selective: tuple[bool, ...] = ()
+    chain: Chain, segments: tuple[tuple[int, int], ...], selective: tuple[int, ...] = ()
 ) -> Estimate:
     """`simulate` for segments and `selective` already checked (private to the package)."""
     peak = max(live for _, _, live in _events(chain, segments, selective))
@@ -265,28 +272,28 @@ def estimate(
 
 
 def recompute_cost(
-    chain: Chain, segments: tuple[tuple[int, int], ...], selective: tuple[bool, ...] = ()
+    chain: Chain, segments: tuple[tuple[int, int], ...], selective: tuple[int, ...] = ()
 ) -> float:
     """The summed recompute cost of the segments (private to the package)."""
-    modes = selective or (False,) * len(segments)
-    policy = chain.policy_forward_cost
-    return math.fsum(
-        (policy if under and policy is not None else chain.forward_cost)[j]
-        for (s, e), under in zip(segments, modes)
-        for j in range(s, e)
-    )
+    modes = selective or (0,) * len(segments)
+    costs = (chain.forward_cost, *(cost for _, cost in chain.policy_states))
+    return math.fsum(costs[state][j] for (s, e), state in zip(segments, modes) for j in range(s, e))
 
 
 def check_selective(
     api: str, chain: Chain, segments: tuple[tuple[int, int], ...], selective: object
-) -> tuple[bool, ...]:
-    """Validates `selective` against the segments and the chain; () when none is (or for ())."""
+) -> tuple[int, ...]:
+    """Validates `selective` against the segments and the chain; () when none is (or for ()).
+
+    Entries are the segments' states: `False`/0 recomputed whole, `True`/1 under the
+    chain's first policy, `k` under its `k`-th (`Chain.policy_states`). Returned as ints.
+    """
     if selective is None:
         return ()
     if isinstance(selective, (str, bytes)) or not isinstance(selective, Iterable):
         fail(
             api,
-            "selective must be a sequence of bools, one per segment",
+            "selective must be a sequence of bools or policy states, one per segment",
             "selective",
             selective,
             "Pass e.g. [True, False] for two segments, or None",
@@ -295,13 +302,14 @@ def check_selective(
     flags = tuple(selective)
     if not flags:  # () means none, as None does
         return ()
-    if not all(isinstance(flag, bool) for flag in flags):
+    if not all(isinstance(flag, numbers.Integral) for flag in flags):
         fail(
             api,
-            "selective must hold bools only",
+            "selective must hold bools or ints only",
             "selective",
             selective,
-            "Pass True (under the policy) or False per segment",
+            "Pass True (under the policy) or False per segment; with several policies "
+            "the state k (1-based) of the policy, 0 for recomputed whole",
             error=TypeError,
         )
     if len(flags) != len(segments):
@@ -310,9 +318,10 @@ def check_selective(
             f"selective has {len(flags)} entries for {len(segments)} segments",
             "selective",
             selective,
-            "Pass one bool per segment",
+            "Pass one entry per segment",
         )
-    if any(flags) and not chain.has_policy:
+    states = tuple(int(flag) for flag in flags)
+    if any(states) and not chain.has_policy:
         fail(
             api,
             "a segment is marked selective but the chain has no policy costs",
@@ -321,11 +330,20 @@ def check_selective(
             "Profile with a policy (profile(model, ..., policy='dots')) or build the Chain "
             "with policy_kept_bytes and policy_forward_cost",
         )
-    return flags if any(flags) else ()
+    count = len(chain.policy_states)
+    if not all(0 <= state <= count for state in states):
+        fail(
+            api,
+            f"selective names a policy state outside 0..{count} (the chain has {count})",
+            "selective",
+            selective,
+            f"Pass 0 (recomputed whole) or a state 1..{count} per segment",
+        )
+    return states if any(states) else ()
 
 
 def _events(
-    chain: Chain, segments: tuple[tuple[int, int], ...], selective: tuple[bool, ...] = ()
+    chain: Chain, segments: tuple[tuple[int, int], ...], selective: tuple[int, ...] = ()
 ) -> Iterator[tuple[Phase, int, int]]:
     """Generates the moments `(phase, link, live_bytes)` of one training step.
 
@@ -349,7 +367,7 @@ def _events(
     elements = _elements(n, segments, selective)
     carried: dict[int, list[int]] = {}  # segment start -> [C(s, s), ..., C(s, e)]
     none = [0] * (n + 1)  # the carry profile of any segment when there are no carries
-    products = chain.policy_kept_bytes or (0,) * n  # k_i, under the policy
+    kept_by = ((0,) * n, *(kept for kept, _ in chain.policy_states))  # k_i, per state
 
     held = act[0]
     for s, e, mode in elements:
@@ -358,9 +376,10 @@ def _events(
             held += saved[s]
             continue
         inside = carried[s] = carry_profile(chain, s, e) if chain.carries else none
-        kept = 0  # K(s..j) under the policy
+        products = kept_by[mode]
+        kept = 0  # K(s..j) under the segment's policy
         for j in range(s, e):
-            kept += products[j] if mode == _SELECTIVE else 0
+            kept += products[j]
             transient = inside[j - s] + (act[j] if j > s else 0) + act[j + 1] + work[j]
             yield ("forward", j, base + held + transient + kept)
         held += act[e] + inside[e - s] + kept
@@ -371,14 +390,15 @@ def _events(
             yield ("backward", s, base + live)
             held -= saved[s]
             continue
-        kept = sum(products[s:e]) if mode == _SELECTIVE else 0
+        products = kept_by[mode]
+        kept = sum(products[s:e])
         held -= act[e] + carried[s][e - s] + kept
         again = copies[s]  # K_s: the copy of x_s the recompute reads
         lagging = regrads[e] + applied[min(n, e + lag)] - applied[e]  # R_e + V_e
         for j in range(s, e):
             again += saved[j]
             yield ("recompute", j, base + held + act[e] + again + work[j] + lagging + kept)
-            kept -= products[j] if mode == _SELECTIVE else 0
+            kept -= products[j]
         for j in range(e - 1, s - 1, -1):
             live = held + again + act[j + 1] + grad_in[j] + work[j] + grads[j] + updates(j, e)
             yield ("backward", j, base + live)
@@ -425,19 +445,19 @@ def carry_profile(chain: Chain, s: int, e: int) -> list[int]:
     return profile
 
 
-_STORED, _RECOMPUTED, _SELECTIVE = 0, 1, 2
+_STORED = -1  # a segment's mode is its state: 0 recomputed whole, k under policy state k
 
 
 def _elements(
-    n: int, segments: tuple[tuple[int, int], ...], selective: tuple[bool, ...] = ()
+    n: int, segments: tuple[tuple[int, int], ...], selective: tuple[int, ...] = ()
 ) -> list[tuple[int, int, int]]:
-    """The plan's elements in order: `(start, stop, mode)`, mode stored, recomputed or selective."""
+    """The plan's elements in order: `(start, stop, mode)`, mode stored or a segment's state."""
     elements: list[tuple[int, int, int]] = []
     position = 0
-    modes = selective or (False,) * len(segments)
-    for (s, e), under in zip(segments, modes):
+    modes = selective or (0,) * len(segments)
+    for (s, e), state in zip(segments, modes):
         elements.extend((i, i + 1, _STORED) for i in range(position, s))
-        elements.append((s, e, _SELECTIVE if under else _RECOMPUTED))
+        elements.append((s, e, state))
         position = e
     elements.extend((i, i + 1, _STORED) for i in range(position, n))
     return elements
