@@ -9,7 +9,12 @@ one under `mixed_bfloat16`, a Gemma causal LM with LoRA under
 `mixed_bfloat16`, a BERT classifier with LoRA and one under `mixed_float16`,
 ResNet50V2 on 32x32 images at batch 2 and a
 2-layer decoder with a 32,000-token vocabulary, whose steps peak in the
-weights' updates; Adam), at benchmark sizes:
+weights' updates; Adam), and the BERT and the subclassed transformer built,
+compiled and checkpointed inside a `MirroredStrategy` over two logical CPUs
+(`*_mirrored`; `measure_step`'s `train_on_batch` gives each replica the
+whole batch, and both allocate from the one CPU allocator it reads, so
+their peaks are about twice the single-device rows and the per-replica
+predictions half), at benchmark sizes:
 
 * memory: the allocator peak one compiled training step added (`measure_step`)
   without recompute, with the default plan (`recompute(model, sample=...)`,
@@ -61,8 +66,15 @@ FULL = {
     "gemma_lm_lora_bfloat16": {"layers": 4, "hidden": 128, "sequence": 256, "batch": 4},
     "bert_classifier_lora": {"layers": 4, "hidden": 128, "sequence": 128, "batch": 16},
     "bert_classifier_float16": {"layers": 4, "hidden": 128, "sequence": 128, "batch": 16},
+    "bert_mirrored": {"layers": 4, "hidden": 128, "sequence": 128, "batch": 16},
+    "loop_transformer_mirrored": {"layers": 6, "hidden": 128, "sequence": 128, "batch": 16},
 }
-SMOKE = {"bert": {"layers": 2, "hidden": 64, "sequence": 64, "batch": 8}}
+SMOKE = {
+    "bert": {"layers": 2, "hidden": 64, "sequence": 64, "batch": 8},
+    "bert_mirrored": {"layers": 2, "hidden": 64, "sequence": 64, "batch": 8},
+}
+MIRRORED = "_mirrored"
+"""A model name's suffix: built, compiled and checkpointed in a two-replica MirroredStrategy."""
 MiB = 2**20
 
 
@@ -182,7 +194,35 @@ BUILDERS = {
 }
 
 
+def _scope(name: str) -> Any:
+    """The scope a model is built, compiled and checkpointed in: a `MirroredStrategy` over
+    two logical CPUs for a `*_mirrored` name (this worker's process only), else none."""
+    import contextlib
+
+    import tensorflow as tf
+
+    if not name.endswith(MIRRORED):
+        return contextlib.nullcontext()
+    if not _STRATEGY:  # one per process: strategies made later would reuse its collective keys
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()]
+        )
+        _STRATEGY.append(tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"]))
+    return _STRATEGY[0].scope()
+
+
+_STRATEGY: list[Any] = []
+
+
 def _build(name: str, sizes: dict[str, int]) -> Any:
+    """The model compiled, one batch; a `*_mirrored` model in its strategy's scope, which the
+    caller enters again to checkpoint it."""
+    with _scope(name):
+        return _build_model(name.removesuffix(MIRRORED), sizes)
+
+
+def _build_model(name: str, sizes: dict[str, int]) -> Any:
     import keras
     import numpy as np
 
@@ -203,13 +243,15 @@ def _build(name: str, sizes: dict[str, int]) -> Any:
 
 
 def _checkpointed(model: Any, variant: str, x: Any, y: Any) -> tuple[Any, Any]:
-    """The model of a variant and its plan (None without recompute)."""
+    """The model of a variant and its plan (None without recompute), in the model's
+    strategy's scope if it has one."""
     import tfrecompute
 
     if variant == "none":
         return model, None
-    plan = tfrecompute.plan(model, None if variant == "default" else variant, sample=(x, y))
-    return tfrecompute.recompute(model, plan), plan
+    with model.distribute_strategy.scope():  # the default strategy's for most models
+        plan = tfrecompute.plan(model, None if variant == "default" else variant, sample=(x, y))
+        return tfrecompute.recompute(model, plan), plan
 
 
 def measure_memory(name: str, variant: str, sizes: dict[str, int]) -> dict[str, Any]:

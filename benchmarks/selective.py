@@ -96,12 +96,14 @@ def _conv_layer(filters: int, image: int, channels: int, index: int) -> Any:
     return keras.Model(inputs, x, name=f"conv_layer_{index}")
 
 
-def variants_of(name: str, budgets: Sequence[float]) -> list[str]:
+def variants_of(
+    name: str, budgets: Sequence[float], kinds: Sequence[str] = tuple(POLICIES)
+) -> list[str]:
     """The variants measured on a model: "attention", "attn@" and "mix@" on the transformers
-    only."""
+    only; of the planned ones, those of `kinds`."""
     if name == "cnn":
         return [*BASE_VARIANTS[:3], *(f"plan@{b}" for b in budgets)]
-    return [*BASE_VARIANTS, *(f"{kind}@{b}" for kind in POLICIES for b in budgets)]
+    return [*BASE_VARIANTS, *(f"{kind}@{b}" for kind in kinds for b in budgets)]
 
 
 def _bert(sizes: dict[str, int]) -> tuple[Any, Any]:
@@ -420,24 +422,27 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         sizes = {name: sizes[name] for name in args.models}
     rounds, steps = (2, 1) if args.smoke else (5, 2)
     budgets = BUDGETS[1:2] if args.smoke else BUDGETS
+    # The smoke run plans the transformers with both policies at once only: it runs the
+    # code of each and of the planner's states.
+    kinds = ("mix",) if args.smoke else tuple(POLICIES)
     script = Path(__file__).resolve()
 
     def run(task: dict[str, Any]) -> Any:
         return _report.run_worker(script, ["--worker", json.dumps(task)], timeout=1800)
 
     def timing(model: str) -> dict[str, Any]:
-        return {"rounds": rounds, "steps": steps, "timed": variants_of(model, budgets)}
+        return {"rounds": rounds, "steps": steps, "timed": variants_of(model, budgets, kinds)}
 
     if args.smoke:  # one process per model measures everything, to keep it short
         results = [
-            run({"model": m, "sizes": s, "variants": variants_of(m, budgets), **timing(m)})
+            run({"model": m, "sizes": s, "variants": variants_of(m, budgets, kinds), **timing(m)})
             for m, s in sizes.items()
         ]
     else:  # each variant's memory in a fresh process, then the times in one
         results = [
             run({"model": m, "sizes": s, "variants": [v]})
             for m, s in sizes.items()
-            for v in variants_of(m, budgets)
+            for v in variants_of(m, budgets, kinds)
         ]
         results += [run({"model": m, "sizes": s, **timing(m)}) for m, s in sizes.items()]
     memory = [row for result in results for row in result.get("memory", [])]

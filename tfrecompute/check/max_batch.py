@@ -249,7 +249,10 @@ def max_batch_size(
 
     Returns:
         A `MaxBatch`: the batch size, its plan, the model (checkpointed by
-        that plan, as `recompute` leaves it), its peak.
+        that plan, as `recompute` leaves it), its peak. Under a
+        `tf.distribute` strategy of `N` replicas each replica runs the whole
+        probed batch (see `measure_step`): the batch size is per replica,
+        `fit(batch_size=N * found)` the global one.
 
     Raises:
         ValueError: the sample has no labels, the model is not compiled, or

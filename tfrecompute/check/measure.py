@@ -188,6 +188,13 @@ def measure_step(
     bins, so use batches large enough for activations to be counted; a step
     that recorded nothing warns.
 
+    For a model built in a `tf.distribute` strategy's scope, Keras's
+    `train_on_batch` gives every replica the whole batch `x` (`fit` splits
+    its batch): the peak is that of one replica's step on `len(x)` rows, a
+    `fit` batch of `num_replicas_in_sync * len(x)`, read from `device`'s
+    allocator (replica 0's GPU). Logical CPU devices share one allocator,
+    so there the peak is the replicas' together.
+
     Args:
         model: a built, compiled Keras model.
         x: one batch of inputs (converted to tensors before measuring).
