@@ -155,20 +155,24 @@ def test_fit_moves_the_adapters_as_the_control_and_nothing_else(name, order):
 
 
 # Without LoRA, Llama under both policies is in test_any_model.py.
-MIXED_CASES = [(name, True) for name in MODELS] + [
-    ("bert_classifier", False),
-    ("gemma_causal_lm", False),
+MIXED_CASES = [(name, True, "after") for name in MODELS] + [
+    ("gemma_causal_lm", True, "before"),  # the order keras-hub's fine-tuning guides use
+    ("bert_classifier", False, "after"),
+    ("gemma_causal_lm", False, "after"),
 ]
 
 
 @pytest.mark.parametrize(
-    ("name", "lora"),
+    ("name", "lora", "order"),
     MIXED_CASES,
-    ids=[f"{name}-{'lora' if lora else 'no_lora'}" for name, lora in MIXED_CASES],
+    ids=[
+        f"{name}-{('lora_first' if order == 'before' else 'lora') if lora else 'no_lora'}"
+        for name, lora, order in MIXED_CASES
+    ],
 )
-def test_under_a_mixed_policy_trains_as_the_control(name, lora, mixed_policy):
+def test_under_a_mixed_policy_trains_as_the_control(name, lora, order, mixed_policy):
     """Each model under `mixed_bfloat16` and `mixed_float16`, with LoRA after recompute
-    and without LoRA.
+    (the Gemma causal LM also before), and without LoRA.
 
     In half precision TensorFlow fuses a model's ops differently eagerly and
     under `tf.function`, so the control alone gives other gradients in the two
@@ -181,12 +185,12 @@ def test_under_a_mixed_policy_trains_as_the_control(name, lora, mixed_policy):
     """
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model, x, y, _ = _build(name, "after", checkpointed=True, lora=lora)
+        model, x, y, _ = _build(name, order, checkpointed=True, lora=lora)
         assert _recomputing(model, x) >= 2
     # keras-hub's attention softmax runs in float32 inside each transformer layer:
     # not the user's to split, so blocks placed by recompute() do not warn of it.
     assert not [w for w in caught if "compute in different dtypes" in str(w.message)]
-    control, _, _, _ = _build(name, "after", checkpointed=False, lora=lora)
+    control, _, _, _ = _build(name, order, checkpointed=False, lora=lora)
     trained = _adapters if lora else (lambda m: m.trainable_variables)
     flat = [tf.convert_to_tensor(v) for v in keras.tree.flatten(x)]
     seeds = save_state(control.non_trainable_variables)  # BERT's Dropout: the same masks
