@@ -69,10 +69,8 @@ FULL = {
     "bert_mirrored": {"layers": 4, "hidden": 128, "sequence": 128, "batch": 16},
     "loop_transformer_mirrored": {"layers": 6, "hidden": 128, "sequence": 128, "batch": 16},
 }
-SMOKE = {
-    "bert": {"layers": 2, "hidden": 64, "sequence": 64, "batch": 8},
-    "bert_mirrored": {"layers": 2, "hidden": 64, "sequence": 64, "batch": 8},
-}
+# The smoke run's one model runs every step of the others, in a strategy's scope too.
+SMOKE = {"bert_mirrored": {"layers": 2, "hidden": 64, "sequence": 64, "batch": 8}}
 MIRRORED = "_mirrored"
 """A model name's suffix: built, compiled and checkpointed in a two-replica MirroredStrategy."""
 MiB = 2**20

@@ -80,7 +80,8 @@ def test_gradients_match_the_original(real):
     )
 
 
-@pytest.mark.parametrize("name", MEASURED)
+# MobileNetV2's allocator check is its predicted-peak test below (suite time).
+@pytest.mark.parametrize("name", sorted(set(MEASURED) - {"mobilenet_v2"}))
 def test_sqrt_rewrite_fits_in_less_memory(name):
     keras.utils.set_random_seed(0)
     model = MODELS[name]()

@@ -359,7 +359,7 @@ def _policy_states(
     for index in sorted(range(len(policies)), key=lambda i: policy_scope(policies[i]) is None):
         each = policies[index]
         if policy_scope(each) is not None:
-            kept = _attention_kept(graph, links, batch_size, traced)
+            kept = _attention_kept(graph, links, batch_size, each, traced)
             forward, cheaper = _attention_costs(
                 graph, links, batch_size, forward, timed=traced.measuring.time,
                 holds_attention=_holds_attention(graph),
@@ -373,11 +373,12 @@ def _policy_states(
 
 
 def _attention_kept(
-    graph: LayerGraph, links: list[tuple[int, int]], batch_size: int, traced: _Traced
-) -> list[int]:
+    graph: LayerGraph, links: list[tuple[int, int]], batch_size: int, policy: Any,
+    traced: _Traced,
+) -> list[int]:  # fmt: skip
     """Per link, the bytes it keeps with its attention cores checkpointed: the calls that
     hold an attention layer traced again inside the policy's scope."""
-    scope = policy_scope("attention")
+    scope = policy_scope(policy)
     assert scope is not None
     holds = _holds_attention(graph)
     with scope([graph.model]):

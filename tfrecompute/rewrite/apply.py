@@ -162,13 +162,15 @@ def block_policies(api: str, plan: strategies.Plan, policy: Any) -> list[Any]:
         wanted is not None and tuple(map(policy_label, given)) != wanted
     ):
         made = list(wanted) if wanted else f"{len(chain.policy_states)} policies"
+        example = (wanted[0] if len(wanted) == 1 else list(wanted)) if wanted else "dots"
         fail(
             api,
             f"the plan recomputes segments under the policies it was made with ({made}), "
             f"which policy={policy!r} does not match",
             "policy",
             policy,
-            f"Pass the policy the plan was made with, e.g. {api}(model, plan, policy='dots')",
+            f"Pass the policies the plan was made with, e.g. {api}(model, plan, "
+            f"policy={example!r})",
         )
     return [given[plan.state(i) - 1] if plan.state(i) else None for i in range(len(plan.segments))]
 

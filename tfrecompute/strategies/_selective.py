@@ -2,7 +2,7 @@
 
 Private to the package.
 
-NOTE [ Three states ]
+NOTE [ Policy states ]
 A chain with `policy_kept_bytes` lets a segment be recomputed under the
 recompute policy (`simulate`'s "selective" segments). The element formula of
 `_solver.py` holds for them too: the peak of a plan is `overhead + a_0 +
