@@ -193,11 +193,7 @@ def planned_policies(api: str, policy: Any) -> tuple[Any, ...]:
     is refused.
     """
     if not isinstance(policy, (list, tuple)):
-        return (
-            ()
-            if resolve_policy(api, policy) is None and policy_scope(policy) is None
-            else (policy,)
-        )
+        return (policy,) if _keeps_something(api, policy) else ()
     if not policy:
         fail(api, "the list of policies is empty", "policy", policy,
              "Pass one or more policies, e.g. ['attention', 'dots'], or None")  # fmt: skip
@@ -205,7 +201,7 @@ def planned_policies(api: str, policy: Any) -> tuple[Any, ...]:
         if isinstance(each, (list, tuple)):
             fail(api, f"policy[{index}] is a list; policies do not nest", "policy", policy,
                  "Pass a flat list, e.g. ['attention', 'dots']", error=TypeError)  # fmt: skip
-        if resolve_policy(api, each) is None and policy_scope(each) is None:
+        if not _keeps_something(api, each):
             fail(
                 api,
                 f"policy[{index}] ({each!r}) recomputes everything, which the planner "
@@ -219,6 +215,11 @@ def planned_policies(api: str, policy: Any) -> tuple[Any, ...]:
         fail(api, "a policy appears twice in the list", "policy", policy,
              "Pass each policy once")  # fmt: skip
     return tuple(policy)
+
+
+def _keeps_something(api: str, policy: Any) -> bool:
+    """Whether `policy` (checked) keeps anything: not None or "nothing"."""
+    return resolve_policy(api, policy) is not None or policy_scope(policy) is not None
 
 
 def policy_label(policy: Any) -> str:

@@ -86,18 +86,17 @@ class _Terms:
     """The per-link arrays of the element formula."""
 
     def __init__(self, chain: Chain) -> None:
-        n = self.n = chain.n
+        self.n = chain.n
         self.chain = chain
         self.act = (chain.input_bytes, *chain.output_bytes)
         self.saved_prefix = [0, *itertools.accumulate(chain.saved_bytes)]
-        states = ((0,) * n, *(kept for kept, _ in chain.policy_states))
-        self.kept_prefix = [[0, *itertools.accumulate(kept)] for kept in states]
+        states = chain.segment_states
+        self.kept_prefix = [[0, *itertools.accumulate(kept)] for kept, _ in states]
         self.grads, self.regrads = chain.live_gradients()
         self.applied = [0, *itertools.accumulate(chain.applied_grad_bytes)]
         self.lag = chain.UPDATE_LAG
-        costs = (chain.forward_cost, *(cost for _, cost in chain.policy_states))
         self.cost_prefix = [
-            [Fraction(0), *itertools.accumulate(Fraction(c) for c in cost)] for cost in costs
+            [Fraction(0), *itertools.accumulate(Fraction(c) for c in cost)] for _, cost in states
         ]
 
     def stored(self, i: int) -> Element:
@@ -185,7 +184,7 @@ def solve(chain: Chain, headroom_limit: int | None = None) -> list[Label]:
     labels[n] = [Label(_NONE, Fraction(0), None, None)]
     for s in range(n - 1, -1, -1):
         elements = [terms.stored(s)]
-        for state in range(1 + len(chain.policy_states)):
+        for state in range(len(chain.segment_states)):
             elements += terms.segments(s, state)
         candidates = []
         for element in elements:

@@ -289,6 +289,17 @@ class Chain:
             return ()
         return ((self.policy_kept_bytes, self.policy_forward_cost), *self.more_policies)
 
+    @property
+    def segment_states(self) -> tuple[tuple[tuple[int, ...], tuple[float, ...]], ...]:
+        """A segment's `(kept_bytes, recompute cost)` per link in each state it may take:
+        state 0 recomputed whole (nothing kept, `forward_cost`), state `k` policy state `k`.
+
+        Example:
+            >>> Chain(1, [1] * 2, [4] * 2, [2.0] * 2).segment_states
+            (((0, 0), (2.0, 2.0)),)
+        """
+        return (((0,) * self.n, self.forward_cost), *self.policy_states)
+
     def policy_name(self, state: int) -> str:
         """How summaries name policy state `state` (1-based): its `policy_names` entry."""
         if self.policy_names:

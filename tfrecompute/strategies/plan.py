@@ -268,7 +268,7 @@ proven_optimal=False)
             held = chain.output_bytes[e - 1] + chain.carried_bytes(s, e)
             mode = "recomputed"
             if state:
-                held += sum(chain.policy_states[state - 1][0][s:e])
+                held += sum(chain.segment_states[state][0][s:e])
                 one = len(chain.policy_states) == 1 and not chain.policy_names
                 mode = "selective" if one else f"selective ({chain.policy_name(state)})"
             cost = _number(recompute_cost(chain, ((s, e),), (state,)))

@@ -276,8 +276,10 @@ def recompute_cost(
 ) -> float:
     """The summed recompute cost of the segments (private to the package)."""
     modes = selective or (0,) * len(segments)
-    costs = (chain.forward_cost, *(cost for _, cost in chain.policy_states))
-    return math.fsum(costs[state][j] for (s, e), state in zip(segments, modes) for j in range(s, e))
+    states = chain.segment_states
+    return math.fsum(
+        states[state][1][j] for (s, e), state in zip(segments, modes) for j in range(s, e)
+    )
 
 
 def check_selective(
@@ -367,7 +369,7 @@ def _events(
     elements = _elements(n, segments, selective)
     carried: dict[int, list[int]] = {}  # segment start -> [C(s, s), ..., C(s, e)]
     none = [0] * (n + 1)  # the carry profile of any segment when there are no carries
-    kept_by = ((0,) * n, *(kept for kept, _ in chain.policy_states))  # k_i, per state
+    kept_by = [kept for kept, _ in chain.segment_states]  # k_i, per state
 
     held = act[0]
     for s, e, mode in elements:
