@@ -8,7 +8,7 @@ and measures compiled training steps with `tfrecompute.measure_step` (the
 allocator's peak) and `tfrecompute.trace_step` (the requested peak: the most
 bytes the step's tensors asked for at any moment, without the allocator's
 rounding of chunks; see NOTE [ Requested and allocated bytes ] in
-tfrecompute/tracing.py). Each model
+tfrecompute/check/measure.py). Each model
 is measured in a fresh process, so that no earlier allocation shapes the
 allocator's state, and `--runs` times (each in its own process), since the
 same plan's measured peak varies from run to run. Writes

@@ -84,7 +84,7 @@ def test_nested_blocks_match_unwrapped(levels, mode):
 @pytest.mark.parametrize("levels", [2, 3])
 def test_nested_forward_count_is_one_more_per_level(levels, mode):
     # A layer at nesting depth d runs d + 1 times per training step: see
-    # NOTE [ Nested blocks ] in tfrecompute/layers/recompute_block.py. Two
+    # NOTE [ Nested blocks ] in tfrecompute/layers/block.py. Two
     # levels: outer layers twice (forward, outer recompute), inner layers three
     # times (forward, outer recompute, the inner block's own recompute).
     block, counters, _ = _nested(levels)

@@ -41,9 +41,12 @@ MODELS = {
 REQUESTED_TOLERANCE = 0.15
 # Against the allocator's peak (`measure_step`), which adds TensorFlow's
 # rounding of chunks (NOTE [ Requested and allocated bytes ] in
-# tfrecompute/tracing.py), different from step to step, the bounds are wider
-# (the same table has the rounding and these errors over runs).
-TOLERANCE = {"encoder": 0.2, "mobilenet_v2": 0.4, "resnet50": 0.4, "unet": 0.4}
+# tfrecompute/check/measure.py), different from step to step, the bounds are
+# wider (the same table has the rounding and these errors over runs). The
+# encoder's sqrt plan measured -7% to -21% against the allocator over five runs
+# while staying at -3% against the requested peak: at its peak a 4 MiB request
+# is handed a 6.25 MiB chunk in some runs and not in others.
+TOLERANCE = {"encoder": 0.25, "mobilenet_v2": 0.4, "resnet50": 0.4, "unet": 0.4}
 # Memory is measured on three of the four: ResNet50's steps are the longest to
 # trace, and benchmarks/prediction_accuracy.py measures all four (its results file).
 MEASURED = sorted(set(MODELS) - {"resnet50"})
