@@ -9,6 +9,7 @@ on the two logical CPUs of conftest.py.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import keras
@@ -113,11 +114,49 @@ def test_other_kinds_checkpointed_in_the_scope_train_like_the_control(strategy, 
     _assert_trains_like_the_control(model, control, x, y)
 
 
+def _wide(optimizer: Any) -> tuple[keras.Model, Any, Any]:
+    """Dense(256) x 8: at batch 512 and more its activations pass 256 KiB, which
+    the CPU allocator's statistics see (smaller ones they leave out)."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((256,))
+    h = inputs
+    for seed in range(8):
+        h = keras.layers.Dense(256, activation="relu")(h)
+        h = keras.layers.Dropout(0.2, seed=seed)(h)
+    model = keras.Model(inputs, keras.layers.Dense(3)(h))
+    model.compile(optimizer=optimizer, loss="mse")
+    rng = np.random.default_rng(0)
+    return (
+        model,
+        rng.normal(size=(16, 256)).astype("float32"),
+        rng.normal(size=(16, 3)).astype("float32"),
+    )
+
+
 def test_max_batch_size_in_the_scope(strategy):
-    model, _, x, y = _pair(strategy, "functional")
+    """Probes measured in the scope: the largest batch that fits is found, checkpointed."""
+    budget = 24 << 20  # batch 512 stores everything in 17 MiB; 1024 needs 28 MiB
     with strategy.scope():
+        model, x, y = _wide("sgd")
         found = tfrecompute.max_batch_size(
-            model, (x, y), budget="64MiB", multiple=16, limit=64, isolate=False
+            model, (x, y), budget=budget, multiple=256, limit=2048, isolate=False
         )
-    assert found.model is model
-    assert found.batch_size >= 16
+    assert found.model is model and tfrecompute.checkpoints(model).plan == found.plan
+    assert 0 < found.peak_bytes <= budget, found
+    assert all(p.fits == (p.batch_size <= found.batch_size) for p in found.probes), found
+    assert any(not p.fits for p in found.probes), found  # the budget binds
+    assert all(p.peak_bytes > 0 for p in found.probes), found
+
+
+def test_the_optimizers_updates_are_measured_in_the_scope(strategy, caplog):
+    """The update workspace probe runs outside the strategy: the same chain as the control's."""
+    control, _, _ = _wide(
+        keras.optimizers.Adam(learning_rate=0.0123)
+    )  # a configuration not probed yet
+    want = tfrecompute.profile(control, batch_size=16).applied_workspace_bytes
+    with strategy.scope():
+        model, _, _ = _wide(keras.optimizers.Adam(learning_rate=0.0321))
+        with caplog.at_level(logging.WARNING, logger="tfrecompute.costs.optimizer"):
+            got = tfrecompute.profile(model, batch_size=16).applied_workspace_bytes
+    assert "were not measured" not in caplog.text
+    assert got == want >= 2 * 256 * 256 * 4  # Adam: two temporaries of the largest kernel

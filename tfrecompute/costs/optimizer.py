@@ -28,7 +28,9 @@ backward moment when gradients are applied as they come, and on top of
 them all. A model not compiled yet is modelled with Adam
 (`compiled_or_adam`). Global clipping and accumulation are left out of the
 clone (those copies are the keep-all workspace already); a loss-scale
-optimizer is measured by its inner one.
+optimizer is measured by its inner one. Under a `tf.distribute` strategy the
+probe runs outside it (`_outside_any_strategy`): its variable is not the
+model's.
 tests/costs/test_optimizer.py checks the ratios and the predicted peaks of
 small-batch steps against measured ones.
 """
@@ -39,6 +41,7 @@ import dataclasses
 import json
 import logging
 import math
+import threading
 from typing import Any
 
 import keras
@@ -110,7 +113,7 @@ def update_workspace_ratio(optimizer: Any, *, device: str | None = None) -> floa
         options = {k: v for k, v in config.items() if k != "name"}
         key = (type(optimizer).__qualname__, json.dumps(options, sort_keys=True, default=str), name)
         if key not in _ratios:
-            _ratios[key] = _measured_ratio(type(optimizer).from_config(config), name)
+            _ratios[key] = _outside_any_strategy(_measured_ratio, type(optimizer), config, name)
     except Exception as error:  # a custom optimizer's config, or its update, failed
         _log.warning(
             "profile: the updates of %s were not measured (%s); the predicted peak leaves "
@@ -122,7 +125,36 @@ def update_workspace_ratio(optimizer: Any, *, device: str | None = None) -> floa
     return _ratios[key]
 
 
-def _measured_ratio(clone: Any, device: str) -> float:
+def _outside_any_strategy(function: Any, *args: Any) -> Any:
+    """`function(*args)` in a thread of its own, outside the caller's `tf.distribute` strategy.
+
+    The probe's optimizer and variable are clones, not the model's: made under
+    a strategy they would be distributed ones, which the update refuses
+    outside a replica context ("Need to be inside strategy.scope()"). Profiling
+    steps out of the strategy's scope (`outside_strategy_scope`) but its
+    variable creator stays in place; both belong to the thread, so a new
+    thread has neither. One thread per optimizer configuration (`_ratios`).
+    """
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = function(*args)
+        except Exception as error:  # raised again in the caller's thread
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run, name="tfrecompute-update-probe")
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def _measured_ratio(optimizer_class: Any, config: dict[str, Any], device: str) -> float:
+    clone = optimizer_class.from_config(
+        config
+    )  # here: an optimizer keeps the strategy it is made in
     with tf.device(device):
         variable = keras.Variable(tf.zeros([PROBE_ELEMENTS]), dtype="float32", name="probe")
         clone.build([variable])
