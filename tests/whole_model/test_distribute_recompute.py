@@ -141,7 +141,9 @@ def test_max_batch_size_in_the_scope(strategy):
         found = tfrecompute.max_batch_size(
             model, (x, y), budget=budget, multiple=256, limit=2048, isolate=False
         )
-    assert found.model is model and tfrecompute.checkpoints(model).plan == found.plan
+    applied = tfrecompute.checkpoints(model)  # None: the batch fits storing everything
+    assert found.model is model
+    assert (applied.plan if applied else ()) == (found.plan if found.plan.segments else ())
     assert 0 < found.peak_bytes <= budget, found
     assert all(p.fits == (p.batch_size <= found.batch_size) for p in found.probes), found
     assert any(not p.fits for p in found.probes), found  # the budget binds
