@@ -28,9 +28,9 @@ backward moment when gradients are applied as they come, and on top of
 them all. A model not compiled yet is modelled with Adam
 (`compiled_or_adam`). Global clipping and accumulation are left out of the
 clone (those copies are the keep-all workspace already); a loss-scale
-optimizer is measured by its inner one. Under a `tf.distribute` strategy the
-probe runs outside it (`_outside_any_strategy`): its variable is not the
-model's.
+optimizer is measured by its inner one. The probe runs in a thread of its
+own (`_in_own_thread`), outside any `tf.distribute` strategy of the caller:
+its optimizer and variable are not the model's.
 tests/costs/test_optimizer.py checks the ratios and the predicted peaks of
 small-batch steps against measured ones.
 """
@@ -113,7 +113,7 @@ def update_workspace_ratio(optimizer: Any, *, device: str | None = None) -> floa
         options = {k: v for k, v in config.items() if k != "name"}
         key = (type(optimizer).__qualname__, json.dumps(options, sort_keys=True, default=str), name)
         if key not in _ratios:
-            _ratios[key] = _outside_any_strategy(_measured_ratio, type(optimizer), config, name)
+            _ratios[key] = _in_own_thread(_measured_ratio, type(optimizer), config, name)
     except Exception as error:  # a custom optimizer's config, or its update, failed
         _log.warning(
             "profile: the updates of %s were not measured (%s); the predicted peak leaves "
@@ -125,8 +125,8 @@ def update_workspace_ratio(optimizer: Any, *, device: str | None = None) -> floa
     return _ratios[key]
 
 
-def _outside_any_strategy(function: Any, *args: Any) -> Any:
-    """`function(*args)` in a thread of its own, outside the caller's `tf.distribute` strategy.
+def _in_own_thread(function: Any, *args: Any) -> Any:
+    """`function(*args)` in a new thread: outside the caller's `tf.distribute` strategy.
 
     The probe's optimizer and variable are clones, not the model's: made under
     a strategy they would be distributed ones, which the update refuses
@@ -152,9 +152,8 @@ def _outside_any_strategy(function: Any, *args: Any) -> Any:
 
 
 def _measured_ratio(optimizer_class: Any, config: dict[str, Any], device: str) -> float:
-    clone = optimizer_class.from_config(
-        config
-    )  # here: an optimizer keeps the strategy it is made in
+    # Made here, in the probe's thread: an optimizer keeps the strategy it is made in.
+    clone = optimizer_class.from_config(config)
     with tf.device(device):
         variable = keras.Variable(tf.zeros([PROBE_ELEMENTS]), dtype="float32", name="probe")
         clone.build([variable])
