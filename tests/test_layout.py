@@ -55,6 +55,7 @@ ORDER = [
     "tfrecompute.graph.layer_graph",
     "tfrecompute.graph.call_tree",
     "tfrecompute.graph.expand",
+    "tfrecompute.graph.trace",
     "tfrecompute.costs",
     "tfrecompute.costs.call_memory",
     "tfrecompute.costs.policy_state",
@@ -65,6 +66,7 @@ ORDER = [
     "tfrecompute.rewrite",
     "tfrecompute.rewrite.apply",
     "tfrecompute.rewrite.unwrap",
+    "tfrecompute.pipeline",
     "tfrecompute.check",
     "tfrecompute.check.measure",
     "tfrecompute.check.verified_plan",
@@ -83,7 +85,9 @@ ORDER = [
 # model's call graph, its costs, a plan applied, a plan checked by
 # measurement, and the command line. The top-level modules are the shared
 # base below every folder and the public surface above all but the command
-# line. A module may import from its own place and the places before it only.
+# line. `tfrecompute.pipeline`, the one path from a model to its checkpointed run
+# (NOTE [ The pipeline ]), sits between applying a plan and measuring one. A module
+# may import from its own place and the places before it only.
 BASE = {
     "tfrecompute.errors",
     "tfrecompute._messages",
@@ -92,7 +96,7 @@ BASE = {
 }
 SURFACE = {"tfrecompute", "tfrecompute.whole_model"}
 FOLDERS = ["strategies", "layers", "graph", "costs", "rewrite", "check"]
-PLACES = ["base", *FOLDERS, "surface", "cli", "__main__"]
+PLACES = ["base", *FOLDERS[:-1], "pipeline", FOLDERS[-1], "surface", "cli", "__main__"]
 
 # Only this module may import Keras's and TensorFlow's private modules.
 INTERNALS = "tfrecompute._keras_internals"

@@ -18,20 +18,12 @@ from tfrecompute import strategies
 from tfrecompute._messages import as_bool, fail
 from tfrecompute.check.verified_plan import VerifiedPlan, planner
 from tfrecompute.check.verified_plan import verify as verify_plan
-from tfrecompute.costs.profile import (
-    COMPILED,
-    ProfiledModel,
-    batch_of,
-    check_batch_size,
-    check_model,
-    profile_graph,
-    profiled_model,
-    traced_graph,
-)
+from tfrecompute.costs.profile import ProfiledModel, profiled_model
+from tfrecompute.graph.trace import check_batch_size, check_model
 from tfrecompute.layers.attention import attention_layers, checkpoint_attention
 from tfrecompute.layers.in_place import Checkpoints, record, remove
 from tfrecompute.layers.policy import planned_policies
-from tfrecompute.rewrite.apply import apply, block_policies
+from tfrecompute.pipeline import apply_plan, chain_of, check_options
 
 __all__ = ["plan", "recompute"]
 
@@ -43,6 +35,7 @@ def _resolve_plan(api: str, model: keras.Model, strategy: Any, options: dict[str
 ]:  # fmt: skip
     """The plan to apply, and the profile of the model's calls it refers to."""
     budget, batch_size, sample = options["budget"], options["batch_size"], options["sample"]
+    _check_before_profiling(api, model, options)
     if budget is not None and batch_size is None and sample is None:
         check_batch_size(api, None, required_for="a memory budget")
     if isinstance(strategy, strategies.Plan):
@@ -59,11 +52,14 @@ def _resolve_plan(api: str, model: keras.Model, strategy: Any, options: dict[str
     chosen = _default_strategy(options["where"]) if strategy is None else strategies.get(strategy)
     # Without a batch size or a sample the bytes are those of one sample: the
     # proportions, which is all a budget-free strategy needs.
-    graph = traced_graph(
-        api, model, sample, batch_size, depth=options["depth"], where=options["where"]
-    )
-    chain = profile_graph(
-        graph, batch_of(graph), COMPILED, where=options["where"], policy=options.get("policy")
+    chain = chain_of(
+        api,
+        model,
+        sample,
+        batch_size,
+        depth=options["depth"],
+        where=options["where"],
+        policy=options["policy"],
     )
     made = strategies.plan_within(api, chosen, chain, budget, options["headroom"])
     alone = strategy is None and budget is None and options["where"] is None
@@ -73,6 +69,12 @@ def _resolve_plan(api: str, model: keras.Model, strategy: Any, options: dict[str
     profiled = profiled_model(made.chain, model)
     assert profiled is not None  # strategies plan the chain they are given
     return made, profiled
+
+
+def _check_before_profiling(api: str, model: Any, options: dict[str, Any]) -> None:
+    """Refuses malformed options before any tracing (NOTE [ The pipeline ])."""
+    names = ("budget", "headroom", "batch_size", "policy", "where")
+    check_options(api, model, **{name: options[name] for name in names})
 
 
 def _verified(api: str, model: keras.Model, strategy: Any, options: dict[str, Any]) -> VerifiedPlan:
@@ -248,13 +250,30 @@ def _profile_of_plan(
     known = profiled_model(plan.chain, model)
     if known is not None:
         return known
-    graph = traced_graph(api, model, sample, batch_size)
-    chain = profile_graph(graph, batch_of(graph), COMPILED)
+    source = plan.chain.source
+    if (
+        sample is None
+        and batch_size is None
+        and isinstance(source, ProfiledModel)
+        and source.graph.specs is not None
+    ):
+        sample = (source.graph.specs, None)  # the shapes the plan was made at
+    chain = chain_of(api, model, sample, batch_size)
     if plan.chain.names != chain.names:
+        ours, theirs = plan.chain.names, chain.names
+        first = next(
+            (i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs))
+        )
+        differs = (
+            f"link {first} is {ours[first]!r} in the plan and "
+            f"{theirs[first] if first < len(theirs) else 'missing'!r} in this model"
+            if first < len(ours)
+            else f"this model has {len(theirs) - first} more links ({theirs[first]!r} ...)"
+        )
         fail(
             api,
-            f"the plan was made for another model: its chain has {plan.chain.n} links "
-            f"({plan.chain.names[0]} ...), this model's has {chain.n} ({chain.names[0]} ...)",
+            f"the plan was made for another model: its chain has {plan.chain.n} links, "
+            f"this model's {chain.n}, and {differs}",
             "strategy",
             plan,
             "Make the plan with tfrecompute.plan(model, ...) for this model",
@@ -438,11 +457,10 @@ def recompute(
         remove(model)  # storing everything: nothing to plan
         return model
     if as_bool("recompute", "verify", verify):
+        _check_before_profiling("recompute", model, options)
         return _verified("recompute", model, strategy, options).model
     chosen, profiled = _resolve_plan("recompute", model, strategy, options)
-    segments = profiled.call_segments(chosen.segments)
-    policies = block_policies("recompute", chosen, policy)
-    apply(profiled.graph, segments, plan=chosen, policies=policies)
+    apply_plan("recompute", chosen, policy, to=profiled)
     return model
 
 

@@ -12,6 +12,7 @@ import json
 import os
 import pickle
 import sys
+import traceback
 
 
 def main(folder: str, batch_size: str) -> None:
@@ -26,7 +27,12 @@ def main(folder: str, batch_size: str) -> None:
         sample = pickle.load(f)
     with open(os.path.join(folder, "options.json")) as f:
         options = json.load(f)
-    found = probe_batch(model, sample, int(batch_size), options)
+    try:
+        found = probe_batch(model, sample, int(batch_size), options)
+    except Exception as error:  # reported to the parent as one JSON line, traceback on stderr
+        traceback.print_exc()
+        sys.stdout.write(json.dumps({"error": type(error).__name__, "message": str(error)}) + "\n")
+        sys.exit(3)
     sys.stdout.write(
         json.dumps(
             {

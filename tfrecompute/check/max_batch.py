@@ -130,15 +130,30 @@ class _Isolated:
         package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = os.pathsep.join([package, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         result = subprocess.run(command, capture_output=True, text=True, env=env)
-        if result.returncode != 0:
-            raise RuntimeError(
-                f"max_batch_size: the probe of batch size {batch_size} failed in its process. "
-                f"Received: batch_size={batch_size} (of type int). Its error:\n"
-                f"{result.stderr[-4000:]}\nPass isolate=False to search in this process."
-            )
-        found = json.loads(result.stdout.strip().splitlines()[-1])
+        lines = result.stdout.strip().splitlines()
+        try:
+            found = json.loads(lines[-1]) if lines else {}
+        except json.JSONDecodeError:
+            found = {}
+        if result.returncode != 0 or "error" in found:
+            _probe_failed(batch_size, found, result.stderr)
         segments = tuple((int(s), int(e)) for s, e in found["segments"])
         return BatchProbe(batch_size, bool(found["fits"]), int(found["peak_bytes"]), segments)
+
+
+def _probe_failed(batch_size: int, found: dict[str, Any], stderr: str) -> None:
+    """Raises what a probe's process reported: the library's own errors as they were
+    raised there (a bad argument, a model it cannot plan), anything else as a
+    `RuntimeError` with the process's last lines (its traceback is in them)."""
+    kind, message = found.get("error"), found.get("message", "")
+    if kind in ("ValueError", "TypeError") and str(message).startswith("max_batch_size:"):
+        raise (ValueError if kind == "ValueError" else TypeError)(message)
+    said = f"{kind}: {message}" if kind else "\n" + stderr[-4000:]
+    raise RuntimeError(
+        f"max_batch_size: the probe of batch size {batch_size} failed in its process. "
+        f"Received: batch_size={batch_size} (of type int). Its error: {said}\n"
+        "Pass isolate=False to search in this process (where the error shows its traceback)."
+    )
 
 
 def _options(

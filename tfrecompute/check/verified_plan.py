@@ -37,11 +37,11 @@ import numpy as np
 from tfrecompute import strategies
 from tfrecompute._messages import fail
 from tfrecompute.check.measure import measure_step
-from tfrecompute.costs.profile import COMPILED, ProfiledModel, batch_of, profile_graph, traced_graph
+from tfrecompute.costs.profile import ProfiledModel
 from tfrecompute.errors import InfeasibleBudgetError
+from tfrecompute.graph.layer_graph import declared_input, declared_output
 from tfrecompute.layers.in_place import Checkpoints, restored_on_error
-from tfrecompute.layers.policy import planned_policies
-from tfrecompute.rewrite.apply import apply, block_policies
+from tfrecompute.pipeline import apply_plan, chain_of, check_options
 from tfrecompute.strategies.units import budget_bytes
 
 __all__ = ["Probe", "VerifiedPlan", "labelled", "planner", "verified_plan", "verify"]
@@ -135,7 +135,7 @@ def _measured(model: keras.Model, applied: Checkpoints | None) -> keras.Model:
     over its graph (whose calls checkpointed in place run as in `model`)."""
     if applied is not None and applied.runtime is not None:
         return applied.runtime
-    return keras.Model(model.input, model.output, name=f"{model.name}_measured")
+    return keras.Model(declared_input(model), declared_output(model), name=f"{model.name}_measured")
 
 
 def _compiled_like(api: str, model: keras.Model, rewritten: keras.Model) -> keras.Model:
@@ -171,9 +171,7 @@ class _Planner:
 
     def apply(self, plan: strategies.Plan) -> Checkpoints | None:
         """Checkpoints the model by `plan` (replacing what was applied before)."""
-        segments = self.profiled.call_segments(plan.segments)
-        policies = block_policies(self.api, plan, self.policy)
-        return apply(self.profiled.graph, segments, plan=plan, policies=policies)
+        return apply_plan(self.api, plan, self.policy)
 
     def measure(self, plan: strategies.Plan, planned: int) -> Probe:
         """Measures `plan`'s compiled step; the model's weights are restored afterwards."""
@@ -203,12 +201,14 @@ def planner(
     policy: Any = None,
 ) -> _Planner:
     """Checks the sample and the model, and profiles the model at the sample's shapes."""
-    planned_policies(api, policy)
+    check_options(api, model, policy=policy, where=where)
     x, y = labelled(api, sample)
     _check_compiled(api, model)
     chosen = strategies.get(strategy)
-    graph = traced_graph(api, model, sample, None, depth=depth, where=where)
-    if graph.root is None:
+    chain = chain_of(api, model, sample, None, depth=depth, where=where, policy=policy)
+    source = chain.source
+    assert isinstance(source, ProfiledModel)
+    if source.graph.root is None:
         fail(
             api,
             "a verified plan measures the compiled train step of a Functional model that runs "
@@ -220,7 +220,6 @@ def planner(
             "headroom, or measure a plan yourself with tfrecompute.measure_step",
             by_name=True,
         )
-    chain = profile_graph(graph, batch_of(graph), COMPILED, where=where, policy=policy)
     return _Planner(api, model, chain, chosen, x, y, policy)
 
 
@@ -359,6 +358,7 @@ def verified_plan(
     verified.model.fit(x, y, batch_size=64)
     ```
     """
+    budget_bytes(budget, api="verified_plan", name="budget")  # refused before any profiling
     made = planner(
         "verified_plan", model, sample, strategy, depth=depth, where=where, policy=policy
     )

@@ -385,11 +385,13 @@ def _sample(model: Any, batch_size: int, dim: int | None) -> Any:
     import keras
     import numpy as np
 
+    from tfrecompute.graph.layer_graph import declared_input
+
     def zeros(tensor: Any) -> Any:
         shape = [batch_size, *(dim if d is None else d for d in tuple(tensor.shape)[1:])]
         return np.zeros(shape, keras.backend.standardize_dtype(tensor.dtype))
 
-    declared = model.inputs[0] if isinstance(model, keras.Sequential) else model.input
+    declared = declared_input(model)
     return keras.tree.map_structure(zeros, declared)
 
 
@@ -500,6 +502,8 @@ def _labelled_batch(model: Any, batch_size: int, dim: int | None) -> tuple[Any, 
     import keras
     import numpy as np
 
+    from tfrecompute.graph.layer_graph import declared_input
+
     rng = np.random.default_rng(0)
 
     def sample(tensor: Any) -> Any:
@@ -509,7 +513,7 @@ def _labelled_batch(model: Any, batch_size: int, dim: int | None) -> tuple[Any, 
             return np.zeros(shape, dtype)
         return rng.standard_normal(shape).astype(dtype)
 
-    declared = model.inputs[0] if isinstance(model, keras.Sequential) else model.input
+    declared = declared_input(model)
     x = keras.tree.map_structure(sample, declared)
     y = keras.tree.map_structure(np.asarray, model(x, training=False))
     if "sparse" in str(getattr(model.loss, "name", model.loss)):
@@ -882,6 +886,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CliError as error:
         print(f"error: {error}", file=sys.stderr)
         return error.code
+    except Exception as error:  # noqa: BLE001 - one line, not a traceback (NOTE below)
+        # NOTE [ Unforeseen errors on the command line ]
+        # The library's own errors arrive as `CliError`s; anything else is a failure it
+        # did not foresee (a bug here, or in the model's code): one `error:` line that
+        # says so, with the way to see the traceback, instead of the traceback itself.
+        if os.environ.get("TFRECOMPUTE_TRACEBACK"):
+            raise
+        text = str(error).strip().splitlines()
+        print(
+            f"error: tfrecompute {args.command}: {type(error).__name__}: "
+            f"{text[0] if text else 'no message'}. This failure was not foreseen: run "
+            "again with TFRECOMPUTE_TRACEBACK=1 to see where it happened, and report it.",
+            file=sys.stderr,
+        )
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

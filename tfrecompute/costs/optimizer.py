@@ -85,7 +85,12 @@ def compiled_or_adam(model: keras.Model) -> Any:
     out the updates' temporaries can save less than it predicts where the
     weights are large beside the activations (see the NOTE above).
     """
-    return getattr(model, "optimizer", None) or keras.optimizers.Adam()
+    compiled = getattr(model, "optimizer", None)
+    if compiled is not None:
+        return compiled
+    # Made in a thread of its own: Adam's `iterations` variable would otherwise be made
+    # by a `tf.distribute` strategy whose scope profiling stepped out of (NOTE above).
+    return _in_own_thread(keras.optimizers.Adam)
 
 
 def keeps_all_gradients(optimizer: Any) -> bool:

@@ -11,29 +11,33 @@ a plan without profiling the model again.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
 import tensorflow as tf
 
 from tfrecompute import strategies
-from tfrecompute._keras_internals import all_sublayers, outside_strategy_scope
-from tfrecompute._messages import as_bool, as_count, as_positive_int, fail
+from tfrecompute._keras_internals import all_sublayers
+from tfrecompute._messages import as_bool, fail
 from tfrecompute.costs.call_memory import CallMemory, call_memory
 from tfrecompute.costs.measured import corrected, measure_call
 from tfrecompute.costs.optimizer import compiled_or_adam, optimizer_costs
 from tfrecompute.costs.policy_state import kept_products, policy_link_costs
 from tfrecompute.costs.state_time import attention_core_seconds, policy_recompute_seconds
-from tfrecompute.graph.call_tree import input_specs, trace_model
+from tfrecompute.graph.call_tree import trace_model
 from tfrecompute.graph.expand import Selection, expand, selected, selection
 from tfrecompute.graph.layer_graph import Call, LayerGraph, tensor_bytes, trainable_variables
+from tfrecompute.graph.trace import (
+    as_defined,
+    batch_of,
+    check_batch_size,
+    traced_graph,
+)
 from tfrecompute.layers import RecomputeBlock
 from tfrecompute.layers.attention import attention_layers
-from tfrecompute.layers.in_place import suspended
 from tfrecompute.layers.policy import planned_policies, policy_label, policy_scope, resolve_policy
 
 __all__ = [
@@ -186,85 +190,6 @@ def profile(
     )
 
 
-def check_model(api: str, model: Any) -> None:
-    """Raises unless `model` is a Keras model."""
-    if not isinstance(model, keras.Model):
-        fail(api, "`model` must be a Keras model", "model", model, "Pass a keras.Model",
-             error=TypeError)  # fmt: skip
-
-
-@contextlib.contextmanager
-def _as_defined(model: keras.Model) -> Iterator[None]:
-    """Traces and profiles see `model` as it was defined (NOTE [ A checkpointed model is
-    the model ]), outside a strategy's scope (NOTE [ Tracing costs inside a strategy's
-    scope ])."""
-    with suspended(model), outside_strategy_scope():
-        yield
-
-
-def traced_graph(
-    api: str,
-    model: keras.Model,
-    sample: Any,
-    batch_size: Any,
-    *,
-    depth: Any = None,
-    where: Any = None,
-) -> LayerGraph:
-    """The model's `LayerGraph`, from one trace at the sample's (or its inputs') shapes."""
-    check_model(api, model)
-    if not model.built:
-        fail(
-            api,
-            "the model is not built, so its calls are unknown",
-            "model",
-            model,
-            "Call it on a batch first, give it an input shape (keras.Input(...)), or pass sample=",
-            by_name=True,
-        )
-    checked = check_batch_size(api, batch_size)
-    depth = None if depth is None else as_count(api, "depth", depth)
-    chosen = selection(api, where)
-    with _as_defined(model):
-        root = trace_model(model, input_specs(api, model, sample, checked), api=api)
-        graph = expand(model, root, depth=depth, where=chosen)
-    graph.check_static_shapes(api)
-    if chosen is not None and not any(selected(chosen, c.layer) for c in graph.calls):
-        fail(
-            api,
-            "`where` selects no layer call of the model",
-            "where",
-            where,
-            "Pass a layer class, names or a predicate that some layer the model calls "
-            "matches (see model.summary(expand_nested=True))",
-        )
-    return graph
-
-
-def batch_of(graph: LayerGraph) -> int:
-    """The batch size the graph was traced at: the leading dimension of its first input."""
-    for tensor in graph.inputs:
-        if tensor.shape and tensor.shape[0] is not None:
-            return int(tensor.shape[0])
-    return 1
-
-
-def check_batch_size(api: str, batch_size: Any, *, required_for: str | None = None) -> int | None:
-    """Validates a batch size; None passes unless `required_for` names what needs it."""
-    if batch_size is None:
-        if required_for:
-            fail(
-                api,
-                f"{required_for} needs the batch size, because activation bytes grow with it",
-                "batch_size",
-                batch_size,
-                "Pass the batch size you train with, e.g. batch_size=64, or a sample batch "
-                "(sample=)",
-            )
-        return None
-    return as_positive_int(api, "batch_size", batch_size, example="batch_size=64")
-
-
 def profile_graph(
     graph: LayerGraph,
     batch_size: int,
@@ -277,7 +202,7 @@ def profile_graph(
     measure_time: bool = False,
 ) -> strategies.Chain:
     """`profile` on a traced graph; the chain's `source` is its `ProfiledModel`."""
-    with _as_defined(graph.model):
+    with as_defined(graph.model):
         return _profile_graph(
             graph, batch_size, optimizer, progress, where, policy, _Measuring(measure, measure_time)
         )

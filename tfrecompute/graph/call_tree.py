@@ -167,6 +167,8 @@ def input_specs(api: str, model: keras.Model, sample: Any, batch_size: int | Non
                 )
     else:
         x = sample[0] if isinstance(sample, tuple) and len(sample) in (2, 3) else sample
+        if is_functional(model) and model.built and model.inputs:
+            x = in_declared_order(model, x)
 
     def spec(value: Any) -> tf.TensorSpec:
         shape = list(value.shape)
@@ -190,6 +192,22 @@ def input_specs(api: str, model: keras.Model, sample: Any, batch_size: int | Non
     if sample is not None and is_functional(model) and model.built and model.inputs:
         _check_against_inputs(api, model, specs, sample)
     return specs
+
+
+def in_declared_order(model: keras.Model, x: Any) -> Any:
+    """`x` in the structure of the model's declared inputs, as Keras reads it.
+
+    A model whose inputs are declared as a list (keras-hub's `Gemma3nCausalLM`)
+    takes a dict keyed by the inputs' names too: Keras puts the values in the
+    declared order. Anything else is returned as it is.
+    """
+    declared = declared_input(model)
+    if not isinstance(x, dict) or not isinstance(declared, (list, tuple)):
+        return x
+    names = [getattr(tensor, "name", None) for tensor in declared]
+    if sorted(map(str, names)) != sorted(map(str, x)):
+        return x
+    return type(declared)(x[name] for name in names)
 
 
 def _check_against_inputs(api: str, model: keras.Model, specs: Any, sample: Any) -> None:

@@ -10,6 +10,7 @@ them into `RecomputeBlock`s.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -57,6 +58,21 @@ def declared_input(model: keras.Model) -> Any:
 def declared_output(model: keras.Model) -> Any:
     """A built model's symbolic output, in the structure it returns."""
     return model.outputs[0] if isinstance(model, keras.Sequential) else model.output
+
+
+def stable_name(operation: Any) -> str:
+    """A call's operation by a name that survives saving and loading the model.
+
+    Layers keep their names in a saved model; a `keras.ops` operation in a
+    Functional graph (`x[:, 0]`, `a + b`) is named by a process-wide counter
+    when it is made, so the same model loaded from a file names it anew
+    (`get_item` becomes `get_item_1`). It is named by its kind instead
+    (`get_item`); `LayerGraph.names` numbers repeats in call order.
+    """
+    if isinstance(operation, keras.Operation) and not isinstance(operation, keras.layers.Layer):
+        kind = re.sub(r"(?<!^)(?=[A-Z])", "_", type(operation).__name__).lower()
+        return kind or str(operation.name)
+    return str(getattr(operation, "name", type(operation).__name__))
 
 
 def trainable_variables(operation: Any) -> list[Any]:
@@ -221,6 +237,9 @@ class LayerGraph:
             model whose calls are all its own layers).
         root: the region of the model's own calls when it is Functional or
             Sequential; None for a subclassed model.
+        specs: the input specs the model was traced at (set by the tracer), in
+            the structure the model is called with: what a plan made on this
+            graph fixes of the inputs' shapes.
     """
 
     def __init__(
@@ -235,6 +254,7 @@ class LayerGraph:
     ) -> None:
         self.model = model
         self.root = root
+        self.specs: Any = None
         self.calls = calls
         self.inputs = list(model.inputs if inputs is None else inputs)
         self.outputs = list(model.outputs if outputs is None else outputs)
@@ -337,7 +357,7 @@ class LayerGraph:
         seen: dict[str, int] = {}
         names = []
         for call in self.calls:
-            name = f"{call.path}{call.layer.name}"
+            name = f"{call.path}{stable_name(call.layer)}"
             count = seen.get(name, 0)
             seen[name] = count + 1
             names.append(name if count == 0 else f"{name}#{count}")

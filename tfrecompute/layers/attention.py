@@ -53,7 +53,6 @@ __all__ = [
 
 CORE = "_compute_attention"
 """The method that computes an attention layer's core."""
-_CACHE = "_tfrecompute_attention_core"
 
 
 def attention_layers(layers: Sequence[Any]) -> list[keras.layers.Layer]:
@@ -83,10 +82,11 @@ def _drops_scores(signature: inspect.Signature | None) -> Any:
 
 
 def _core(layer: keras.layers.Layer) -> Checkpointed:
-    """The layer's core as a checkpointed function (made once per layer, cached on it)."""
-    cached = vars(layer).get(_CACHE)
-    if isinstance(cached, Checkpointed):
-        return cached
+    """The layer's core as a checkpointed function: the one in force, else a new one
+    (nothing is cached on the layer: NOTE [ Records off the model's attributes ])."""
+    applied = vars(layer).get(CORE)
+    if isinstance(applied, Checkpointed):
+        return applied
     original = getattr(type(layer), CORE).__get__(layer, type(layer))
     try:
         signature: inspect.Signature | None = inspect.signature(original)
@@ -100,15 +100,12 @@ def _core(layer: keras.layers.Layer) -> Checkpointed:
             return result[0], None
         return result
 
-    core = Checkpointed(attention_core, None, [layer])
-    object.__setattr__(layer, _CACHE, core)  # untracked (NOTE [ Checkpointed functions ])
-    return core
+    return Checkpointed(attention_core, None, [layer])
 
 
 def is_checkpointed(layer: keras.layers.Layer) -> bool:
     """Whether `layer`'s attention core runs checkpointed now."""
-    cached = vars(layer).get(_CACHE)
-    return cached is not None and vars(layer).get(CORE) is cached
+    return isinstance(vars(layer).get(CORE), Checkpointed)
 
 
 def checkpoint_attention(layer: keras.layers.Layer) -> Any:

@@ -94,23 +94,36 @@ class _Change:
     runs: Any
 
 
-# The records live on the objects they describe (set like `call`, untracked): a
-# global map would hold them, and through their closures the models, forever.
-_CHANGES = "_tfrecompute_changes"
-_APPLIED = "_tfrecompute_checkpoints"
+# NOTE [ Records off the model's attributes ]
+# What was changed is recorded on the replacement itself (the function set as
+# `call`, or an attention core), never as an attribute of the layer or model:
+# `dir(model)`, `vars` beyond the replaced method, `get_config()` and saved files
+# stay the original's (keras-hub's serialization tests compare `dir(model)` with
+# a rebuilt copy). A global map would hold the records, and through their
+# closures the models, forever; on the replacement they live and die with it.
+_CHANGE = "__tfrecompute_change__"  # on a replacement: the `_Change` it makes
+_APPLIED = "__tfrecompute_applied__"  # on a model's replacement `call`: its `Checkpoints`
+
+
+def _record_of(value: Any, key: str) -> Any:
+    """What is recorded under `key` on a replacement `value`; None for anything else."""
+    try:
+        return vars(value).get(key)
+    except (TypeError, AttributeError):  # no __dict__: not a replacement of ours
+        return None
 
 
 def _changes_of(target: Any) -> dict[str, _Change]:
-    changes = vars(target).get(_CHANGES)
-    return changes if isinstance(changes, dict) else {}
-
-
-def _set_untracked(target: Any, name: str, value: Any) -> None:
-    if value is None:
-        if name in vars(target):
-            object.__delattr__(target, name)
-    else:
-        object.__setattr__(target, name, value)
+    try:
+        attributes = vars(target)
+    except TypeError:
+        return {}
+    changes = {}
+    for name, value in list(attributes.items()):
+        change = _record_of(value, _CHANGE)
+        if isinstance(change, _Change):
+            changes[name] = change
+    return changes
 
 
 @contextlib.contextmanager
@@ -160,24 +173,21 @@ def change_attribute(target: Any, attribute: str, value: Any, runs: Any) -> None
     `runs` is what it runs (a block, a rebuilt model), recorded with it.
     """
     release(target, attribute)
-    changes = dict(_changes_of(target))
-    changes[attribute] = _Change(vars(target).get(attribute, _MISSING), value, runs)
-    _set_untracked(target, _CHANGES, changes)
+    vars(value)[_CHANGE] = _Change(vars(target).get(attribute, _MISSING), value, runs)
     object.__setattr__(target, attribute, value)
 
 
 def release(target: Any, attribute: str | None = None) -> None:
     """Gives `target` back what `change_attribute` replaced (every attribute if None)."""
-    changes = dict(_changes_of(target))
+    changes = _changes_of(target)
     for name in list(changes) if attribute is None else [attribute]:
-        change = changes.pop(name, None)
+        change = changes.get(name)
         if change is None:
             continue
         if change.previous is _MISSING:
             object.__delattr__(target, name)
         else:
             object.__setattr__(target, name, change.previous)
-    _set_untracked(target, _CHANGES, changes or None)
 
 
 def checkpointed_in_place(layer: Any) -> bool:
@@ -259,21 +269,45 @@ def _drop_compiled_functions(model: keras.Model) -> None:
 
 
 def record(model: keras.Model, applied: Checkpoints) -> None:
-    """Records what was applied to `model` (after `remove(model)` undid the previous)."""
-    _set_untracked(model, _APPLIED, applied)
+    """Records what was applied to `model` (after `remove(model)` undid the previous).
+
+    The record rides on the model's replacement `call` (NOTE [ Records off the
+    model's attributes ]); a model whose own call runs as defined (a subclassed
+    model checkpointed inside) gets a `call` that only passes through, to carry it.
+    """
+    call = _changed_call(model)
+    if call is None:
+        original = model.call
+
+        @functools.wraps(original)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return original(*args, **kwargs)
+
+        change_attribute(model, "call", call, None)
+    if all(target is not model for target in applied.changed):
+        applied = dataclasses.replace(applied, changed=(*applied.changed, model))
+    vars(call)[_APPLIED] = applied
     _drop_compiled_functions(model)
+
+
+def _changed_call(model: Any) -> Any:
+    """The model's replacement `call`, None if its call is its own."""
+    try:
+        call = vars(model).get("call")
+    except TypeError:
+        return None
+    return call if isinstance(_record_of(call, _CHANGE), _Change) else None
 
 
 def checkpoints(model: Any) -> Checkpoints | None:
     """What `tfrecompute.recompute` applied to `model` and is in force; None if nothing."""
-    applied = vars(model).get(_APPLIED) if hasattr(model, "__dict__") else None
+    applied = _record_of(_changed_call(model), _APPLIED)
     return applied if isinstance(applied, Checkpoints) else None
 
 
 def remove(model: keras.Model) -> Checkpoints | None:
     """Undoes what was recorded for `model`; returns it (None if nothing was)."""
     applied = checkpoints(model)
-    _set_untracked(model, _APPLIED, None)
     if applied is not None:
         for target in reversed(applied.changed):
             release(target)

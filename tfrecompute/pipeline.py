@@ -1,0 +1,142 @@
+"""One path from a model to its checkpointed run, used by every entry point.
+
+NOTE [ The pipeline ]
+check the arguments (`check_options`, before anything runs) -> trace the
+model at the sample's shapes (`tfrecompute.graph.trace.traced_graph`, which
+builds an unbuilt model from the sample) -> price its calls
+(`tfrecompute.costs.profile.profile_graph`) -> plan (`tfrecompute.strategies`)
+-> apply (`apply_plan`, through `tfrecompute.rewrite.apply`) -> optionally
+measure (`tfrecompute.check`). `plan`, `recompute` (every strategy, a
+precomputed plan, `verify=True`), `verified_plan`, `max_batch_size` and the
+command line all reach a chain through `chain_of` and a checkpointed model
+through `apply_plan`, so a model that one entry point handles, all handle.
+
+A chain is kept for as long as something else holds it (a `Plan` made on it,
+a verified planner): `plan(model, ...)` then `recompute(model, ...)` with the
+same sample profile the model once. The cache is keyed weakly by the model
+and holds the chain weakly, so it keeps neither alive; its key is the input
+signature and everything profiling reads of the model (its variables, their
+`trainable` flags and dtypes, the optimizer it was compiled with).
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from typing import Any
+
+import keras
+import numpy as np
+
+from tfrecompute import strategies
+from tfrecompute.costs.profile import COMPILED, ProfiledModel, profile_graph
+from tfrecompute.graph.expand import selection
+from tfrecompute.graph.trace import batch_of, check_batch_size, check_model, traced_graph
+from tfrecompute.layers.in_place import Checkpoints
+from tfrecompute.layers.policy import planned_policies
+from tfrecompute.rewrite.apply import apply, block_policies
+from tfrecompute.strategies.headroom import check_headroom
+from tfrecompute.strategies.units import budget_bytes
+
+__all__ = ["apply_plan", "chain_of", "check_options"]
+
+_chains: weakref.WeakKeyDictionary[Any, dict[Any, weakref.ref[strategies.Chain]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def check_options(
+    api: str,
+    model: Any,
+    *,
+    budget: Any = None,
+    headroom: Any = None,
+    batch_size: Any = None,
+    policy: Any = None,
+    where: Any = None,
+) -> None:
+    """Refuses malformed arguments before any tracing: profiling a large model takes seconds."""
+    check_model(api, model)
+    if budget is not None:
+        budget_bytes(budget, api=api, name="budget")
+    if headroom is not None:
+        check_headroom(api, headroom)
+    check_batch_size(api, batch_size)
+    planned_policies(api, policy)
+    selection(api, where)
+
+
+def chain_of(
+    api: str,
+    model: keras.Model,
+    sample: Any,
+    batch_size: Any,
+    *,
+    depth: Any = None,
+    where: Any = None,
+    policy: Any = None,
+) -> strategies.Chain:
+    """The model's cost chain at the sample's shapes (NOTE [ The pipeline ]): traced and
+    priced once per model and input signature while the chain is in use."""
+    key = _key(model, sample, batch_size, depth, where, policy)
+    known = _chains.get(model, {}).get(key) if key is not None else None
+    chain = known() if known is not None else None
+    if chain is not None:
+        return chain
+    graph = traced_graph(api, model, sample, batch_size, depth=depth, where=where)
+    chain = profile_graph(graph, batch_of(graph), COMPILED, where=where, policy=policy)
+    if key is not None:
+        _chains.setdefault(model, {})[key] = weakref.ref(chain)
+    return chain
+
+
+def apply_plan(
+    api: str, plan: strategies.Plan, policy: Any = None, *, to: ProfiledModel | None = None
+) -> Checkpoints | None:
+    """Checkpoints the model `plan`'s chain was profiled from (or the model of `to`, whose
+    chain has the same links), replacing what it had."""
+    source = plan.chain.source if to is None else to
+    assert isinstance(source, ProfiledModel)  # plans of `chain_of` chains carry their calls
+    segments = source.call_segments(plan.segments)
+    return apply(source.graph, segments, plan=plan, policies=block_policies(api, plan, policy))
+
+
+def _key(model: Any, sample: Any, batch_size: Any, *options: Any) -> Any:
+    """What a chain depends on, as a hashable value; None when the model is not built
+    (tracing builds it) or an option cannot be keyed."""
+    if not getattr(model, "built", False):
+        return None
+    x = sample[0] if isinstance(sample, tuple) and len(sample) in (2, 3) else sample
+    try:
+        shapes = repr(
+            keras.tree.map_structure(
+                lambda a: (tuple(np.shape(a))[1:], str(getattr(a, "dtype", type(a).__name__))),
+                x,
+            )
+        )
+        first = keras.tree.flatten(x)[0] if x is not None else None
+        rows = None if first is None else np.shape(first)[0]
+        weights = tuple(
+            (v.path, bool(v.trainable), str(v.dtype), tuple(v.shape)) for v in model.weights
+        )
+        optimizer = getattr(model, "optimizer", None)
+        compiled = None
+        if optimizer is not None:
+            config = json.dumps(optimizer.get_config(), sort_keys=True, default=str)
+            compiled = (type(optimizer).__qualname__, config)
+        keyed = tuple(_option_key(option) for option in options)
+        key = (shapes, batch_size or rows, weights, compiled, keyed)
+        hash(key)
+    except Exception:  # noqa: BLE001 - an unusual sample or option: profile without the cache
+        return None
+    return key
+
+
+def _option_key(option: Any) -> Any:
+    """An option as a value that names it for good: names, numbers and classes, or lists of
+    them. A function or any other object raises (its id could name another one later)."""
+    if option is None or isinstance(option, (str, int, float, type)):
+        return option
+    if isinstance(option, (list, tuple)):
+        return tuple(_option_key(each) for each in option)
+    raise TypeError(f"not keyed: {option!r}")
