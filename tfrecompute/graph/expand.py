@@ -7,7 +7,10 @@ sees the leaves of that tree after expanding it from the root down:
 * A Functional or Sequential model (the root, or one called by one) is
   expanded into its node calls. Its node calls replay on new tensors, so a
   rewrite can group any run of them into a block, across nested models
-  (their nodes are inlined into the rewritten model): "graph" calls.
+  (their nodes are inlined into the rewritten model): "graph" calls. A
+  nested model's inputs pair with what it was given as `Functional.call`
+  pairs them, positionally or by the keyword `inputs=` (keras-hub's
+  `Gemma3CausalLM` calls `backbone(inputs=inputs)`), a dict by name.
 * A subclassed layer whose call runs sub-layers is expanded into those
   sub-layer calls when every tensor they take is one its call received or
   one an earlier sub-layer call returned, and it returns only such tensors:
@@ -47,7 +50,14 @@ from tfrecompute._keras_internals import (
 )
 from tfrecompute._messages import fail
 from tfrecompute.graph.call_tree import TracedCall, flat_tensors, is_traced_tensor
-from tfrecompute.graph.layer_graph import Call, LayerGraph, Region, Unit, declared_output
+from tfrecompute.graph.layer_graph import (
+    Call,
+    LayerGraph,
+    Region,
+    Unit,
+    declared_input,
+    declared_output,
+)
 from tfrecompute.layers import RecomputeBlock
 
 __all__ = ["Selection", "expand", "selected", "selection"]
@@ -127,7 +137,8 @@ class _Expander:
                 call_ = Call(layer, args, kwargs, outputs=outputs, node=node, region=region)
                 self.calls.append(dataclasses.replace(call_, level=level, path=path))
             elif isinstance(layer, keras.Model) and is_functional(layer):
-                inner = dict(zip(map(id, functional_inputs(layer)), _flat_proxies(args)))
+                passed = _flat_proxies(_model_inputs(layer, args, kwargs))
+                inner = dict(zip(map(id, functional_inputs(layer)), passed))
                 self.graph(child, layer, inner, level + 1, sub_path, region)
                 outputs = [inner[id(t)] for t in functional_outputs(layer)]
             else:
@@ -167,8 +178,8 @@ class _Expander:
         """A Functional model that code calls: its own region, rebuilt and routed in place."""
         model = call.operation
         received = _received_proxies(call, *passed)
-        got_args, _ = call.received or (call.args, call.kwargs)
-        inputs = [received[t.ref()] for t in flat_tensors(got_args[:1])]
+        got = _model_inputs(model, *(call.received or (call.args, call.kwargs)))
+        inputs = [received[t.ref()] for t in flat_tensors(got)]
         region = Region(model, inputs=inputs, unit=unit, alone=self.counts[id(model)] == 1)
         known = dict(zip(map(id, functional_inputs(model)), inputs))
         self.graph(call, model, known, level, path, region)
@@ -217,7 +228,8 @@ def expand(
     """
     expander = _Expander(depth, where, _call_counts(root))
     if is_functional(model) and _nodes_match(root):
-        inputs = [expander.proxy(t) for t in flat_tensors(root.args)]
+        passed = _model_inputs(model, root.args, root.kwargs)
+        inputs = [expander.proxy(t) for t in flat_tensors(passed)]
         region = Region(model, inputs=inputs)
         known = dict(zip(map(id, functional_inputs(model)), inputs))
         expander.graph(root, model, known, 1, "", region)
@@ -360,6 +372,24 @@ def _substitute_refs(structure: Any, proxies: dict[Any, Any]) -> Any:
         return proxies[value.ref()] if is_traced_tensor(value) else value
 
     return keras.tree.map_structure(swap, structure)
+
+
+def _model_inputs(model: keras.Model, args: Any, kwargs: dict[str, Any]) -> list[Any]:
+    """A Functional model's call arguments as the flat list of its inputs, in their order.
+
+    The inputs are the first positional argument or the keyword `inputs`
+    (keras-hub tasks call their backbone as `backbone(inputs=inputs)`), and
+    they pair with `functional_inputs(model)` as `Functional.call` pairs
+    them: flattened, or, for a dict given to a model declared with a list
+    of inputs, taken by the inputs' names.
+    """
+    passed = args[0] if args else kwargs.get("inputs")
+    declared = declared_input(model)
+    if isinstance(passed, dict) and not isinstance(declared, dict):
+        names = [getattr(t, "name", None) for t in keras.tree.flatten(declared)]
+        if all(name in passed for name in names):
+            return [passed[name] for name in names]
+    return list(keras.tree.flatten(passed))
 
 
 def _flat_proxies(structure: Any) -> list[keras.KerasTensor]:

@@ -257,6 +257,24 @@ def _replay(call: Call | Unit, mapping: dict[int, Any]) -> None:
         mapping[id(original)] = new
 
 
+def _declared_as_traced(declared: Any, traced: Any) -> tuple[int | None, ...]:
+    """A tensor's shape as Keras declared it, unknown where the trace contradicts it.
+
+    The rewritten model's tensors carry the shapes their layers declare
+    (`compute_output_shape`), which the original model never checks, while a
+    block's sub-model checks its inputs against its `keras.Input`s. Some
+    declarations are wrong: keras-hub's `SigLIPVisionEmbedding` counts a class
+    token SigLIP does not add (197 positions for 196), and
+    `Gemma3InterleaveEmbeddings` declares its image embeddings' shape for the
+    text sequence it returns. A dimension the traced tensor (at the sample's
+    shapes) contradicts is left unknown; a rank it contradicts, all of them.
+    """
+    declared, traced = tuple(declared), tuple(traced)
+    if len(declared) != len(traced):
+        return (None,) * len(traced)
+    return tuple(d if d is None or t is None or d == t else None for d, t in zip(declared, traced))
+
+
 def _no_mask_of_its_own(inputs: Any, previous_mask: Any = None) -> None:
     """`compute_mask` of a segment's sub-model: its outputs carry their layers' masks."""
     return None
@@ -273,7 +291,8 @@ def _apply_block(
     sub_inputs = []
     for key in input_ids:
         outer = mapping[key]  # the rewritten model's tensor: its shape, unknown dims included
-        sub_input = keras.Input(batch_shape=outer.shape, dtype=outer.dtype)
+        shape = _declared_as_traced(outer.shape, graph.tensors[key].tensor.shape)
+        sub_input = keras.Input(batch_shape=shape, dtype=outer.dtype)
         inner[key] = sub_input
         sub_inputs.append(sub_input)
     for index in range(start, stop):
