@@ -440,3 +440,42 @@ def test_checkpointed_in_a_mirrored_scope_before_or_after_compile(order):
         trained.append(save_state(model.weights))
     for got, want in zip(*trained):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_plan_then_recompute_profiles_the_model_once(monkeypatch):
+    from tfrecompute import pipeline
+
+    profiled = []
+    original = pipeline.profile_graph
+
+    def counting(*args, **kwargs):
+        profiled.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "profile_graph", counting)
+    model, x, y = _sequential_input()
+    made = tfrecompute.plan(model, "sqrt", sample=x)
+    tfrecompute.recompute(model, "sqrt", sample=x)
+    assert len(profiled) == 1 and made.segments
+    assert tfrecompute.checkpoints(model).plan.segments == made.segments
+    model.trainable = False  # what profiling reads changed: profiled again
+    tfrecompute.recompute(model, "sqrt", sample=x)
+    assert len(profiled) == 2
+
+
+@pytest.mark.parametrize("api", ["plan", "recompute", "verified_plan"])
+def test_a_malformed_budget_is_refused_before_any_profiling(api, monkeypatch):
+    from tfrecompute import pipeline
+
+    def fail(*args, **kwargs):
+        raise AssertionError("profiled before the budget was checked")
+
+    monkeypatch.setattr(pipeline, "traced_graph", fail)
+    model, x, y = _sequential_input()
+    model.compile(optimizer="sgd", loss="mse")
+    call = getattr(tfrecompute, api)
+    with pytest.raises(ValueError, match=f"{api}: .*budget"):
+        if api == "verified_plan":
+            call(model, (x, y), budget="lots")
+        else:
+            call(model, budget="lots", sample=(x, y))
