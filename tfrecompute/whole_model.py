@@ -49,7 +49,11 @@ def _resolve_plan(api: str, model: keras.Model, strategy: Any, options: dict[str
                     "Pass either a Plan or a strategy name with a budget",
                 )
         return strategy, _profile_of_plan(api, model, strategy, sample, batch_size)
-    chosen = _default_strategy(options["where"]) if strategy is None else strategies.get(strategy)
+    chosen = (
+        _default_strategy(options["where"])
+        if strategy is None
+        else strategies.get(strategy, api=api, argument="strategy")
+    )
     # Without a batch size or a sample the bytes are those of one sample: the
     # proportions, which is all a budget-free strategy needs.
     chain = chain_of(

@@ -479,3 +479,10 @@ def test_a_malformed_budget_is_refused_before_any_profiling(api, monkeypatch):
             call(model, (x, y), budget="lots")
         else:
             call(model, budget="lots", sample=(x, y))
+
+
+@pytest.mark.parametrize("api", ["plan", "recompute"])
+def test_an_unknown_strategy_is_named_as_the_user_passed_it(api):
+    model, x, _ = _sequential_input()
+    with pytest.raises(ValueError, match=rf"^{api}: unknown strategy name\. Received: strategy="):
+        getattr(tfrecompute, api)(model, "fastest", sample=x)

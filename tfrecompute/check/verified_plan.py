@@ -204,7 +204,7 @@ def planner(
     check_options(api, model, policy=policy, where=where)
     x, y = labelled(api, sample)
     _check_compiled(api, model)
-    chosen = strategies.get(strategy)
+    chosen = strategies.get(strategy, api=api, argument="strategy")
     chain = chain_of(api, model, sample, None, depth=depth, where=where, policy=policy)
     source = chain.source
     assert isinstance(source, ProfiledModel)

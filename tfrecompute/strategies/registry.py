@@ -27,12 +27,16 @@ def available() -> tuple[str, ...]:
     return tuple(sorted(_REGISTRY))
 
 
-def get(name_or_callable: str | Strategy) -> Strategy:
+def get(
+    name_or_callable: str | Strategy, *, api: str = "get", argument: str = "name_or_callable"
+) -> Strategy:
     """Looks up a strategy.
 
     Args:
         name_or_callable: a name from `available()`, `"uniform:<k>"` for
             `uniform(k)`, or a strategy callable, returned as it is.
+        api, argument: the public call and its argument that errors name
+            (`recompute(..., strategy=...)` looks a strategy up for the user).
 
     Returns:
         The strategy, a callable `(chain, budget=None) -> Plan`.
@@ -55,21 +59,21 @@ def get(name_or_callable: str | Strategy) -> Strategy:
             digits = name[len("uniform:") :]
             if not digits.isdigit() or int(digits) < 1:
                 fail(
-                    "get",
+                    api,
                     "the k of uniform:<k> must be a positive integer",
-                    "name_or_callable",
+                    argument,
                     name,
                     'Write e.g. "uniform:4"',
                 )
             return uniform(int(digits))
         valid = ", ".join(repr(x) for x in (*available(), "uniform:<k>"))
-        fail("get", "unknown strategy name", "name_or_callable", name, f"Use one of {valid}")
+        fail(api, "unknown strategy name", argument, name, f"Use one of {valid}")
     if callable(name_or_callable):
         return name_or_callable
     fail(
-        "get",
+        api,
         "expected a strategy name or a callable",
-        "name_or_callable",
+        argument,
         name_or_callable,
         'Pass a name such as "optimal" or a function (chain, budget=None) -> Plan',
         error=TypeError,
