@@ -94,25 +94,37 @@ def _float64(value: Any) -> np.ndarray:
     return np.asarray(tf.convert_to_tensor(value), np.float64)
 
 
+def _is_integral(array: np.ndarray) -> bool:
+    return np.issubdtype(array.dtype, np.integer) or array.dtype == np.bool_
+
+
 def assert_same_values(got: Any, want: Any, *, rtol: float = 1e-6, what: str = "value") -> None:
     """Asserts two nested structures of tensors (or None) are equal to `rtol`.
 
     None must meet None: a gradient the unwrapped layers leave None must be
-    None, not zeros. Each tensor is measured against max(its own scale, 1e-2
-    of the largest scale of all tensors), the GUIDE's rule: a mathematically
-    zero gradient is float noise next to the others.
+    None, not zeros. Each floating tensor is measured against max(its own
+    scale, 1e-2 of the largest scale of all floating tensors), the GUIDE's
+    rule: a mathematically zero gradient is float noise next to the others.
+    Integer tensors (seed generator states, counters) must be equal, and set
+    no scale: a seed state's numbers (about 1e9) would otherwise make every
+    float tensor next to it pass.
     """
     got_flat, want_flat = tf.nest.flatten(got), tf.nest.flatten(want)
     assert len(got_flat) == len(want_flat), (len(got_flat), len(want_flat))
-    arrays = [
-        None if w is None else np.asarray(tf.convert_to_tensor(w), np.float64) for w in want_flat
-    ]
-    largest = max([float(np.max(np.abs(a))) for a in arrays if a is not None and a.size] + [0.0])
+    exact = [None if w is None else np.asarray(tf.convert_to_tensor(w)) for w in want_flat]
+    arrays = [None if a is None else a if _is_integral(a) else a.astype(np.float64) for a in exact]
+    floats = [a for a in arrays if a is not None and a.size and not _is_integral(a)]
+    largest = max([float(np.max(np.abs(a))) for a in floats] + [0.0])
     for index, (g, w) in enumerate(zip(got_flat, arrays)):
         if w is None:
             assert g is None, f"{what} {index}: expected None (as unwrapped), got {g!r}"
             continue
         assert g is not None, f"{what} {index}: got None, the unwrapped layers give a tensor"
+        if _is_integral(w):
+            g = np.asarray(tf.convert_to_tensor(g))
+            assert g.shape == w.shape, f"{what} {index}: shape {g.shape}, unwrapped {w.shape}"
+            assert np.array_equal(g, w), f"{what} {index}: {g} differs from {w}"
+            continue
         g = _float64(g)
         assert g.shape == w.shape, f"{what} {index}: shape {g.shape}, unwrapped {w.shape}"
         scale = max(float(np.max(np.abs(w))) if w.size else 0.0, 1e-2 * largest, 1e-30)

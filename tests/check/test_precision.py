@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from tests.helpers import (
     MODES,
+    assert_same_values,
     forward_and_grads,
     highest_requested_trace,
     load_state,
@@ -517,12 +518,12 @@ def test_mixed_precision_gradients_match_unwrapped(policy, mode):
     want = forward_and_grads(unwrapped, [x], block.trainable_variables, mode)
     compute = keras.config.dtype_policy().compute_dtype
     assert got[0].dtype == want[0].dtype == np.dtype(compute)  # the output stays 16-bit
-    for index, (g, w) in enumerate(zip(got, want)):
-        np.testing.assert_allclose(
-            g.astype("float32"), w.astype("float32"), rtol=1e-2, atol=1e-2, err_msg=f"{index}"
-        )
-    for g, w in zip(got_state, save_state(state)):
-        np.testing.assert_allclose(g.astype("float32"), w.astype("float32"), rtol=1e-2, atol=1e-2)
+    # The recompute runs the same 16-bit ops on the same values: measured, the outputs,
+    # gradients and statistics equal the unwrapped ones exactly (both policies, both
+    # modes). 1e-6 of each tensor's scale is below one 16-bit rounding step, so an
+    # error of 0.1% fails.
+    assert_same_values(got, want, rtol=1e-6)
+    assert_same_values(got_state, save_state(state), rtol=1e-6, what="state")
 
 
 def _mlp(blocked, *, first_in_block=True):
@@ -553,10 +554,16 @@ def test_fit_in_mixed_precision_matches_unwrapped(policy):
         for m in (plain, blocked)
     ]
     assert all(math.isfinite(v) for v in losses[1])
-    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-2)
+    # Measured: equal losses, and equal variables but for a BatchNormalization gamma
+    # under mixed_bfloat16, off by 6e-8 (one float32 rounding step at its 1.02).
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-6)
     for a, b in zip(blocked.variables, plain.variables):
         np.testing.assert_allclose(
-            a.numpy().astype("float32"), b.numpy().astype("float32"), rtol=1e-2, atol=1e-2
+            a.numpy().astype("float32"),
+            b.numpy().astype("float32"),
+            rtol=1e-6,
+            atol=1e-6,
+            err_msg=a.path,
         )
 
 

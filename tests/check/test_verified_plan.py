@@ -50,12 +50,20 @@ def test_a_verified_plan_measures_within_its_budget_and_uses_most_of_it():
 
 
 def test_recompute_verify_returns_the_verified_model():
-    model = _chain_model(depth=4)
-    x, y = _batch(256)
+    model = _chain_model()
+    x, y = _batch(512)
     optimizer = model.optimizer
-    assert tfrecompute.recompute(model, budget="64MiB", sample=(x, y), verify=True) is model
+    # A budget that binds: storing everything (19 to 20.5 MiB here) measures over it,
+    # so the verified plan has blocks. The first plan measured 10 MiB, well within the
+    # budget less its 10% (12.8 MiB); at batch 256 plans measured too close to it.
+    stored = tfrecompute.measure_step(model, x, y).peak_bytes
+    budget = int(0.75 * stored)
+    assert tfrecompute.recompute(model, budget=budget, sample=(x, y), verify=True) is model
+    applied = tfrecompute.checkpoints(model)
+    assert applied is not None and applied.plan.segments
+    assert len(applied.blocks) == len(applied.plan.segments)
     assert model.optimizer is optimizer  # measured with a copy: the model's own is untouched
-    assert model.predict(x, verbose=0).shape == (256, 8)
+    assert model.predict(x, verbose=0).shape == (512, 8)
 
 
 def test_a_verified_plan_with_a_policy_measures_its_selective_blocks():

@@ -92,9 +92,10 @@ def test_mirrored_fit_matches_unwrapped(strategy, policy, synchronized):
         m.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history["loss"]
         for m in (plain, blocked)
     ]
-    tolerance = 1e-6 if policy == "float32" else 1e-2
-    np.testing.assert_allclose(histories[1], histories[0], rtol=tolerance)
-    _assert_same_variables(blocked, plain, tolerance=tolerance)
+    # Measured: the losses and the variables on every replica equal the unwrapped
+    # model's exactly, in float32 and in mixed_bfloat16 alike.
+    np.testing.assert_allclose(histories[1], histories[0], rtol=1e-6)
+    _assert_same_variables(blocked, plain, tolerance=1e-6)
     # Training happened: weights moved, the dropout seed advanced on every replica.
     after = worker.replica_values(plain)
     seed = next(i for i, v in enumerate(plain.variables) if "seed_generator" in v.path)

@@ -13,11 +13,18 @@ from __future__ import annotations
 
 import keras
 import pytest
-from hypothesis import HealthCheck, given, settings
+import tensorflow as tf
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import tfrecompute
-from tests.helpers import applied_blocks, as_defined, assert_same_training, normal
+from tests.helpers import (
+    applied_blocks,
+    as_defined,
+    assert_same_training,
+    normal,
+    recomputed_blocks,
+)
 from tfrecompute import RecomputeBlock, strategies
 from tfrecompute.strategies.simulate import within_limits
 
@@ -167,11 +174,22 @@ def test_random_models_rewritten_by_recompute_match_the_original(spec, mode, see
     plain, _ = build(_make_units(unit_list, width), [], width)  # no hand-placed blocks
     chain = tfrecompute.profile(plain, batch_size=6)
     cuts = sorted(data.draw(st.sets(st.integers(0, chain.n), min_size=2), label="cuts"))
-    pieces = list(zip(cuts, cuts[1:]))
-    segments = [p for p in pieces if data.draw(st.booleans(), label=f"recompute {p}")]
-    segments = list(within_limits(chain, segments))  # blocks the model allows (Chain.max_stop)
+    # The pieces blocks may cover (Chain.max_stop), of which at least one is recomputed:
+    # an example without a block would compare the model with itself.
+    pieces = within_limits(chain, list(zip(cuts, cuts[1:])))
+    assume(pieces)
+    chosen = data.draw(st.sets(st.sampled_from(pieces), min_size=1), label="recomputed")
+    segments = sorted(chosen)
     model = tfrecompute.recompute(plain, strategies.Plan.from_segments(chain, segments))
-    assert model is plain and len(applied_blocks(plain)) == len(segments)
+    assert model is plain and len(applied_blocks(plain)) == len(segments) >= 1
+    x = normal((6, width), seed=seed)
+
+    def train_call():
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            plain(x, training=True)
+
+    assert recomputed_blocks(plain, train_call) == len(segments)  # each block checkpoints
     _assert_trains_like(plain, as_defined(plain), width, seed, mode, variables=plain)
 
 
