@@ -30,6 +30,7 @@ import numpy as np
 
 from tfrecompute import strategies
 from tfrecompute.costs.profile import COMPILED, ProfiledModel, profile_graph
+from tfrecompute.graph.call_tree import sample_inputs
 from tfrecompute.graph.expand import selection
 from tfrecompute.graph.trace import batch_of, check_batch_size, check_model, traced_graph
 from tfrecompute.layers.in_place import Checkpoints
@@ -106,16 +107,13 @@ def _key(model: Any, sample: Any, batch_size: Any, *options: Any) -> Any:
     (tracing builds it) or an option cannot be keyed."""
     if not getattr(model, "built", False):
         return None
-    x = sample[0] if isinstance(sample, tuple) and len(sample) in (2, 3) else sample
     try:
         shapes = repr(
             keras.tree.map_structure(
-                lambda a: (tuple(np.shape(a))[1:], str(getattr(a, "dtype", type(a).__name__))),
-                x,
+                lambda a: (np.shape(a), str(getattr(a, "dtype", type(a).__name__))),
+                sample_inputs(sample),
             )
         )
-        first = keras.tree.flatten(x)[0] if x is not None else None
-        rows = None if first is None else np.shape(first)[0]
         weights = tuple(
             (v.path, bool(v.trainable), str(v.dtype), tuple(v.shape)) for v in model.weights
         )
@@ -125,7 +123,7 @@ def _key(model: Any, sample: Any, batch_size: Any, *options: Any) -> Any:
             config = json.dumps(optimizer.get_config(), sort_keys=True, default=str)
             compiled = (type(optimizer).__qualname__, config)
         keyed = tuple(_option_key(option) for option in options)
-        key = (shapes, batch_size or rows, weights, compiled, keyed)
+        key = (shapes, batch_size, weights, compiled, keyed)
         hash(key)
     except Exception:  # noqa: BLE001 - an unusual sample or option: profile without the cache
         return None

@@ -22,7 +22,6 @@ from tfrecompute.costs.profile import ProfiledModel, profiled_model
 from tfrecompute.graph.trace import check_batch_size, check_model
 from tfrecompute.layers.attention import attention_layers, checkpoint_attention
 from tfrecompute.layers.in_place import Checkpoints, record, remove
-from tfrecompute.layers.policy import planned_policies
 from tfrecompute.pipeline import apply_plan, chain_of, check_options
 
 __all__ = ["plan", "recompute"]
@@ -35,7 +34,6 @@ def _resolve_plan(api: str, model: keras.Model, strategy: Any, options: dict[str
 ]:  # fmt: skip
     """The plan to apply, and the profile of the model's calls it refers to."""
     budget, batch_size, sample = options["budget"], options["batch_size"], options["sample"]
-    _check_before_profiling(api, model, options)
     if budget is not None and batch_size is None and sample is None:
         check_batch_size(api, None, required_for="a memory budget")
     if isinstance(strategy, strategies.Plan):
@@ -360,7 +358,7 @@ def plan(
         "where": where,
         "policy": policy,
     }
-    planned_policies("plan", policy)
+    _check_before_profiling("plan", model, options)
     chosen, _ = _resolve_plan("plan", model, strategy, options)
     return chosen
 
@@ -452,7 +450,7 @@ def recompute(
         "where": where,
         "policy": policy,
     }
-    planned_policies("recompute", policy)
+    _check_before_profiling("recompute", model, options)
     alone = [value for name, value in options.items() if name != "policy" and value is not None]
     if policy == "attention" and strategy is None and not alone and not verify:
         return _attention_only("recompute", model)
@@ -461,7 +459,6 @@ def recompute(
         remove(model)  # storing everything: nothing to plan
         return model
     if as_bool("recompute", "verify", verify):
-        _check_before_profiling("recompute", model, options)
         return _verified("recompute", model, strategy, options).model
     chosen, profiled = _resolve_plan("recompute", model, strategy, options)
     apply_plan("recompute", chosen, policy, to=profiled)

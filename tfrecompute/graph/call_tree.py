@@ -23,7 +23,16 @@ from tfrecompute._keras_internals import is_functional, recording_calls
 from tfrecompute._messages import fail, received
 from tfrecompute.graph.layer_graph import declared_input
 
-__all__ = ["TracedCall", "flat_tensors", "input_specs", "is_traced_tensor", "trace_model"]
+__all__ = [
+    "TracedCall",
+    "flat_tensors",
+    "in_declared_order",
+    "input_specs",
+    "is_traced_tensor",
+    "not_a_batch",
+    "sample_inputs",
+    "trace_model",
+]
 
 
 @dataclasses.dataclass(eq=False)
@@ -166,7 +175,7 @@ def input_specs(api: str, model: keras.Model, sample: Any, batch_size: int | Non
                     by_name=True,
                 )
     else:
-        x = sample[0] if isinstance(sample, tuple) and len(sample) in (2, 3) else sample
+        x = sample_inputs(sample)
         if is_functional(model) and model.built and model.inputs:
             x = in_declared_order(model, x)
 
@@ -180,18 +189,29 @@ def input_specs(api: str, model: keras.Model, sample: Any, batch_size: int | Non
     try:
         specs = keras.tree.map_structure(spec, x)
     except (AttributeError, TypeError) as error:
-        fail(
-            api,
-            f"the sample is not a batch of arrays ({type(error).__name__}: {error})",
-            "sample",
-            sample,
-            "Pass one batch as you call the model with: an array, a list or a dict of "
-            "arrays, or (x, y) as passed to fit",
-            error=TypeError,
-        )
+        not_a_batch(api, sample, error)
     if sample is not None and is_functional(model) and model.built and model.inputs:
         _check_against_inputs(api, model, specs, sample)
     return specs
+
+
+def sample_inputs(sample: Any) -> Any:
+    """The model's inputs of a sample: `x` of `(x, y)` or `(x, y, sample_weight)` as passed
+    to `fit`, else the sample itself."""
+    return sample[0] if isinstance(sample, tuple) and len(sample) in (2, 3) else sample
+
+
+def not_a_batch(api: str, sample: Any, error: Exception) -> None:
+    """Raises the error of a sample whose inputs are not arrays (`error` says why)."""
+    fail(
+        api,
+        f"the sample is not a batch of arrays ({type(error).__name__}: {error})",
+        "sample",
+        sample,
+        "Pass one batch as you call the model with: an array, a list or a dict of "
+        "arrays, or (x, y) as passed to fit",
+        error=TypeError,
+    )
 
 
 def in_declared_order(model: keras.Model, x: Any) -> Any:

@@ -18,7 +18,7 @@ import keras
 
 from tfrecompute._keras_internals import outside_strategy_scope
 from tfrecompute._messages import as_count, as_positive_int, fail
-from tfrecompute.graph.call_tree import input_specs, trace_model
+from tfrecompute.graph.call_tree import input_specs, not_a_batch, sample_inputs, trace_model
 from tfrecompute.graph.expand import expand, selected, selection
 from tfrecompute.graph.layer_graph import LayerGraph
 from tfrecompute.layers.in_place import suspended
@@ -99,19 +99,10 @@ def built_by_sample(api: str, model: keras.Model, sample: Any) -> None:
     variables on its first call; the call runs here, in the caller's strategy
     scope (so its variables are the strategy's), before tracing steps out of it.
     """
-    x = sample[0] if isinstance(sample, tuple) and len(sample) in (2, 3) else sample
     try:
-        first = keras.tree.map_structure(lambda value: value[:1], x)
+        first = keras.tree.map_structure(lambda value: value[:1], sample_inputs(sample))
     except (TypeError, IndexError) as error:
-        fail(
-            api,
-            f"the sample is not a batch of arrays ({type(error).__name__}: {error})",
-            "sample",
-            sample,
-            "Pass one batch as you call the model with: an array, a list or a dict of "
-            "arrays, or (x, y) as passed to fit",
-            error=TypeError,
-        )
+        not_a_batch(api, sample, error)
     model(first, training=False)
 
 

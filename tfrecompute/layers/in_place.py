@@ -114,16 +114,8 @@ def _record_of(value: Any, key: str) -> Any:
 
 
 def _changes_of(target: Any) -> dict[str, _Change]:
-    try:
-        attributes = vars(target)
-    except TypeError:
-        return {}
-    changes = {}
-    for name, value in list(attributes.items()):
-        change = _record_of(value, _CHANGE)
-        if isinstance(change, _Change):
-            changes[name] = change
-    return changes
+    found = {name: _record_of(value, _CHANGE) for name, value in list(vars(target).items())}
+    return {name: change for name, change in found.items() if isinstance(change, _Change)}
 
 
 @contextlib.contextmanager
