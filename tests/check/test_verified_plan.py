@@ -214,3 +214,24 @@ def test_a_failed_verified_plan_leaves_the_model_as_it_was():
         tfrecompute.verified_plan(model, (x, y), budget=int(least / 1.2))
     assert tfrecompute.checkpoints(model) is before
     assert all(vars(t).get("call") is not None for t in before.changed)
+
+
+@pytest.mark.parametrize(
+    ("found", "raised", "match"),
+    [
+        (
+            {"error": "ValueError", "message": "max_batch_size: the sample is wrong."},
+            ValueError,
+            "^max_batch_size: the sample is wrong.$",
+        ),
+        ({"error": "KeyError", "message": "'x'"}, RuntimeError, "Its error: KeyError: 'x'"),
+        ({}, RuntimeError, "Its error: \nTraceback: boom"),
+    ],
+)
+def test_a_probe_process_error_is_raised_as_the_library_raised_it(found, raised, match):
+    """The library's own errors come back as they were raised in the probe's process;
+    anything else as a RuntimeError with what the process said."""
+    from tfrecompute.check.max_batch import _probe_failed
+
+    with pytest.raises(raised, match=match):
+        _probe_failed(8, found, "Traceback: boom")

@@ -427,3 +427,20 @@ def test_tables_fit_100_columns_unless_all_names(models, capsys, command):
     assert "convnext_tiny_stage_0_block_1_pointwise_conv_1+convnext_tiny_stage_0_block_1_gelu" in (
         out
     )
+
+
+def test_an_unforeseen_failure_is_one_error_line(models, capsys, monkeypatch):
+    """NOTE [ Unforeseen errors on the command line ]: no traceback unless asked for."""
+    from tfrecompute.cli import command
+
+    def broken(args):
+        raise KeyError("a bug")
+
+    monkeypatch.setitem(command._COMMANDS, "plan", broken)
+    assert main(["plan", models["mlp"], "--batch-size", "8"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: tfrecompute plan: KeyError: 'a bug'.")
+    assert "TFRECOMPUTE_TRACEBACK=1" in err
+    monkeypatch.setenv("TFRECOMPUTE_TRACEBACK", "1")
+    with pytest.raises(KeyError, match="a bug"):
+        main(["plan", models["mlp"], "--batch-size", "8"])

@@ -79,22 +79,37 @@ def test_a_checkpointed_model_trains_like_the_original(name, mode):
     _assert_sqrt_trains_like_the_original(model, x, mode)
 
 
-def _assert_sqrt_trains_like_the_original(model, x, mode, *, rtol=1e-5, blocks=1):
-    """Gradients and state of `model` after a sqrt rewrite equal those before it."""
+def assert_trains_like_before(model, x, mode, checkpoint, *, rtol=1e-5, blocks=1):
+    """`checkpoint(model)` places blocks, at least `blocks` of which recompute in a training
+    call; outputs, gradients and state of that call, and the inference outputs, equal the
+    model's before it (measured before `checkpoint` runs: the control is the model as it was,
+    not the same object with its checkpoints lifted)."""
     flat = [tf.convert_to_tensor(v) for v in keras.tree.flatten(x)]
     trainable, state = model.trainable_variables, model.non_trainable_variables
     initial = save_state(state)
     want = forward_and_grads(model_runner(model, x), flat, trainable, mode)
     want_state = save_state(state)
     load_state(state, initial)
-    plan = tfrecompute.plan(model, "sqrt", sample=x)
-    assert plan.segments
-    assert tfrecompute.recompute(model, plan) is model
+    inference = keras.tree.flatten(model(x))
+    assert checkpoint(model) is model
     assert _recomputing(model, x) >= blocks
+    for got_output, want_output in zip(keras.tree.flatten(model(x)), inference):
+        np.testing.assert_allclose(got_output, want_output, rtol=1e-5, atol=1e-6)
     load_state(state, initial)
     got = forward_and_grads(model_runner(model, x), flat, trainable, mode)
     assert_close_per_tensor(got, want, rtol=rtol)
     assert_close_per_tensor(save_state(state), want_state)
+
+
+def _assert_sqrt_trains_like_the_original(model, x, mode, *, rtol=1e-5, blocks=1):
+    """Gradients and state of `model` after a sqrt rewrite equal those before it."""
+
+    def sqrt(m):
+        plan = tfrecompute.plan(m, "sqrt", sample=x)
+        assert plan.segments
+        return tfrecompute.recompute(m, plan)
+
+    assert_trains_like_before(model, x, mode, sqrt, rtol=rtol, blocks=blocks)
 
 
 # keras.applications models at random init have gradients up to 1e8: the model

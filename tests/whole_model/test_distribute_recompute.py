@@ -28,18 +28,20 @@ def strategy():
     return worker.mirrored_strategy(["CPU:0", "CPU:1"])
 
 
-def _functional() -> tuple[keras.Model, tuple[Any, Any]]:
-    inputs = keras.Input((16,))
+def _functional(
+    width: int = 32, depth: int = 6, batch: int = 16, features: int = 16
+) -> tuple[keras.Model, tuple[Any, Any]]:
+    inputs = keras.Input((features,))
     h = inputs
-    for seed in range(6):
-        h = keras.layers.Dense(32, activation="relu")(h)
+    for seed in range(depth):
+        h = keras.layers.Dense(width, activation="relu")(h)
         h = keras.layers.BatchNormalization(momentum=0.5)(h)
         h = keras.layers.Dropout(0.2, seed=seed)(h)
     model = keras.Model(inputs, keras.layers.Dense(3)(h))
     rng = np.random.default_rng(0)
     return model, (
-        rng.normal(size=(16, 16)).astype("float32"),
-        rng.normal(size=(16, 3)).astype("float32"),
+        rng.normal(size=(batch, features)).astype("float32"),
+        rng.normal(size=(batch, 3)).astype("float32"),
     )
 
 
@@ -49,18 +51,7 @@ def _wide_functional() -> tuple[keras.Model, tuple[Any, Any]]:
     Allocations under 256 KiB measure as 0 on CPU; at batch 4096 each Dense(128)
     activation is 2 MiB.
     """
-    inputs = keras.Input((128,))
-    h = inputs
-    for seed in range(8):
-        h = keras.layers.Dense(128, activation="relu")(h)
-        h = keras.layers.BatchNormalization(momentum=0.5)(h)
-        h = keras.layers.Dropout(0.2, seed=seed)(h)
-    model = keras.Model(inputs, keras.layers.Dense(3)(h))
-    rng = np.random.default_rng(0)
-    return model, (
-        rng.normal(size=(4096, 128)).astype("float32"),
-        rng.normal(size=(4096, 3)).astype("float32"),
-    )
+    return _functional(width=128, depth=8, batch=4096, features=128)
 
 
 def _bert():

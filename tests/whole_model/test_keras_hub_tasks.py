@@ -33,18 +33,12 @@ import keras
 import keras_hub
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import tfrecompute
 from tests.helpers import (
     MODES,
-    forward_and_grads,
-    load_state,
-    model_runner,
-    recomputed_blocks,
-    save_state,
 )
-from tests.whole_model.test_any_model import assert_close_per_tensor
+from tests.whole_model.test_any_model import assert_trains_like_before
 
 
 def _tokens(batch: int, sequence: int) -> np.ndarray:
@@ -154,12 +148,6 @@ MODELS = {
     "gemma3_vision_causal_lm": _gemma3_vision_causal_lm,
     "siglip_int8": _siglip_int8,
 }
-PARAMS = [
-    "gemma3_causal_lm",
-    "pali_gemma_causal_lm",
-    "gemma3_vision_causal_lm",
-    "siglip_int8",
-]
 
 
 def _build(name: str) -> tuple[keras.Model, Any, type]:
@@ -169,49 +157,18 @@ def _build(name: str) -> tuple[keras.Model, Any, type]:
     return model, x, block_class
 
 
-def _recomputing(model: keras.Model, x: Any) -> int:
-    def run() -> None:
-        with tf.GradientTape():
-            model(x, training=True)
-
-    return recomputed_blocks(model, run)
-
-
-def _assert_trains_like_before(model: keras.Model, x: Any, mode: str, checkpoint: Any) -> None:
-    """`checkpoint(model)` places blocks; outputs, gradients and state equal the model's
-    before it, and the model runs afterwards."""
-    flat = [tf.convert_to_tensor(v) for v in keras.tree.flatten(x)]
-    trainable, state = model.trainable_variables, model.non_trainable_variables
-    initial = save_state(state)
-    want = forward_and_grads(model_runner(model, x), flat, trainable, mode)
-    want_state = save_state(state)
-    load_state(state, initial)
-    inference = keras.tree.flatten(model(x))
-    assert checkpoint(model) is model
-    applied = tfrecompute.checkpoints(model)
-    assert applied is not None and applied.blocks
-    assert _recomputing(model, x) >= 2
-    for got_output, want_output in zip(keras.tree.flatten(model(x)), inference):
-        np.testing.assert_allclose(got_output, want_output, rtol=1e-5, atol=1e-6)
-    load_state(state, initial)
-    got = forward_and_grads(model_runner(model, x), flat, trainable, mode)
-    assert_close_per_tensor(got, want)
-    assert_close_per_tensor(save_state(state), want_state)
-
-
 # ------------------------------------------------------------------ keras-hub
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", PARAMS)
+@pytest.mark.parametrize("name", list(MODELS))
 def test_a_keras_hub_task_trains_like_the_original(name, mode):
     """Blocks on the decoder (encoder) layers, selected with `where=` so that they
     do not depend on measured costs."""
     model, x, block_class = _build(name)
-    _assert_trains_like_before(
-        model, x, mode, lambda m: tfrecompute.recompute(m, sample=x, where=block_class)
-    )
+    recompute = lambda m: tfrecompute.recompute(m, sample=x, where=block_class)  # noqa: E731
+    assert_trains_like_before(model, x, mode, recompute, blocks=2)
 
 
 @pytest.mark.slow
@@ -313,21 +270,16 @@ KERAS_MODELS = {
     "model_by_keyword_in_code": _model_called_by_keyword_in_code,
     "declared_shape_wrong": _declared_one_position_more,
 }
-KERAS_PARAMS = [
-    *list(KERAS_MODELS)[:-1],
-    "declared_shape_wrong",
-]
 
 
 # Blocks on every Dense of a model this small save no memory, and recompute says so.
 @pytest.mark.filterwarnings("ignore:recompute. no plan lowers:UserWarning")
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", KERAS_PARAMS)
+@pytest.mark.parametrize("name", list(KERAS_MODELS))
 def test_a_nested_model_trains_like_the_original(name, mode):
     """The same causes in plain Keras, blocks on every `Dense` call."""
     keras.utils.set_random_seed(0)
     model, x = KERAS_MODELS[name]()
     model(x)
-    _assert_trains_like_before(
-        model, x, mode, lambda m: tfrecompute.recompute(m, sample=x, where=keras.layers.Dense)
-    )
+    recompute = lambda m: tfrecompute.recompute(m, sample=x, where=keras.layers.Dense)  # noqa: E731
+    assert_trains_like_before(model, x, mode, recompute, blocks=2)
