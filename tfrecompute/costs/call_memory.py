@@ -17,7 +17,7 @@ import tensorflow as tf
 from tfrecompute._keras_internals import call_has_training_arg
 from tfrecompute.graph.layer_graph import trainable_variables
 
-__all__ = ["CallMemory", "call_memory"]
+__all__ = ["CallMemory", "TracedStep", "call_memory", "traced_call_memory"]
 
 
 def _spec(tensor: Any, batch_size: int) -> tf.TensorSpec:
@@ -69,12 +69,32 @@ class CallMemory:
     casts_inputs: tuple[bool, ...] = ()
 
 
+@dataclasses.dataclass(frozen=True)
+class TracedStep:
+    """A call's forward and backward as `call_memory` traced them, to run.
+
+    `function(*arguments, *output_gradients)` (a concrete function of
+    `specs`: the call's tensor arguments, then one gradient per output)
+    returns `(outputs, gradients)`: the call's tensor outputs and the
+    gradients of its floating arguments and trainable variables.
+    `tfrecompute.costs.measured.measure_call` runs it rather than tracing
+    the call again.
+    """
+
+    function: Any
+    specs: tuple[tf.TensorSpec, ...]
+    arguments: int
+
+
 @dataclasses.dataclass
 class _TracedCall:
     """A call and its gradient, traced into one graph (filled in while tracing)."""
 
     specs: list[tf.TensorSpec]
     forward_ops: int = 0  # the forward's ops come first in the graph
+    step_ops: int = 0  # the forward's and backward's; the function's returns follow
+    arguments: int = 0
+    function: Any = None
     inputs: list[Any] = dataclasses.field(default_factory=list)  # buffers of the tensor inputs
     outputs: list[Any] = dataclasses.field(default_factory=list)  # buffers of the outputs
     gradients: list[Any] = dataclasses.field(default_factory=list)  # buffers of the gradients
@@ -90,6 +110,20 @@ def call_memory(
 ) -> CallMemory:
     """Finds what one layer call keeps alive for its backward.
 
+    See `traced_call_memory`, which also returns the traced step.
+    """
+    return traced_call_memory(layer, args, kwargs, outputs, batch_size)[0]
+
+
+def traced_call_memory(
+    layer: keras.layers.Layer | keras.Operation,
+    args: Any,
+    kwargs: Any,
+    outputs: Any,
+    batch_size: int,
+) -> tuple[CallMemory, TracedStep]:
+    """Finds what one layer call keeps alive for its backward; also returns its traced step.
+
     Traces the call (in training mode) and its gradient with respect to its
     floating inputs and trainable variables in a `tf.function`, without running
     it. A forward tensor that a gradient op reads is kept from the forward to
@@ -103,6 +137,7 @@ def call_memory(
         batch_size: the size of the leading `None` dimension.
     """
     traced = _trace(layer, args, kwargs, outputs, batch_size)
+    step = TracedStep(traced.function, tuple(traced.specs), traced.arguments)
     read = _read_by_backward(traced)
     boundary = set(traced.inputs) | set(traced.outputs)
     kept = [
@@ -123,7 +158,7 @@ def call_memory(
         for t in op.outputs
         if tuple(t.shape) not in io_shapes and t.ref() not in returned
     ]
-    return CallMemory(
+    memory = CallMemory(
         kept_bytes=sum(_static_bytes(t) for t in kept),
         workspace_bytes=max((_static_bytes(t) for t in backward), default=0),
         reads_inputs=tuple(key in read for key in traced.inputs),
@@ -131,6 +166,7 @@ def call_memory(
         opaque=any(_opaque(op) for op in traced.operations),
         casts_inputs=tuple(key in _cast_sources(read) for key in traced.inputs),
     )
+    return memory, step
 
 
 def _made_early(traced: _TracedCall) -> dict[Any, tf.Tensor]:
@@ -211,8 +247,9 @@ def _trace(layer: Any, args: Any, kwargs: Any, outputs: Any, batch_size: int) ->
     symbolic = list({id(t): t for t in flat if isinstance(t, keras.KerasTensor)}.values())
     flat_outputs = keras.tree.flatten(outputs)
     traced = _TracedCall(specs=[_spec(t, batch_size) for t in [*symbolic, *flat_outputs]])
+    traced.arguments = len(symbolic)
 
-    def step(*values: tf.Tensor) -> None:
+    def step(*values: tf.Tensor) -> tuple[list[tf.Tensor], list[tf.Tensor]]:
         inputs, output_grads = values[: len(symbolic)], values[len(symbolic) :]
         mapping = {id(t): v for t, v in zip(symbolic, inputs)}
 
@@ -236,16 +273,22 @@ def _trace(layer: Any, args: Any, kwargs: Any, outputs: Any, batch_size: int) ->
             (r, tf.cast(g, r.dtype)) for r, g in zip(results, output_grads) if r.dtype.is_floating
         ]
         sources = [v for v in inputs if v.dtype.is_floating] + trainable_variables(layer)
+        parts = []
         if pairs and sources:
             grads = tape.gradient(
                 [r for r, _ in pairs], sources, output_gradients=[g for _, g in pairs]
             )
-            for part in tf.nest.flatten(grads, expand_composites=True):  # IndexedSlices too
-                if part is not None:
-                    traced.gradients.append(_buffer(part).ref())
+            parts = [  # IndexedSlices too
+                part for part in tf.nest.flatten(grads, expand_composites=True) if part is not None
+            ]
+            traced.gradients = [_buffer(part).ref() for part in parts]
+        traced.step_ops = len(tf.compat.v1.get_default_graph().get_operations())
+        return results, parts
 
-    graph = tf.function(step, autograph=False).get_concrete_function(*traced.specs).graph
-    traced.operations = graph.get_operations()
+    function = tf.function(step, autograph=False).get_concrete_function(*traced.specs)
+    # what the function adds to return its results (identities) is not the call's
+    traced.operations = function.graph.get_operations()[: traced.step_ops]
+    traced.function = function
     return traced
 
 

@@ -7,8 +7,9 @@ shapes known only at run time), or everywhere when asked
 (`profile(..., measure=True)`), `measure_call` runs the call's forward and
 backward once on tensors of the real shapes and reads the device allocator's
 peak above the inputs; `corrected` turns that into the call's workspace.
-`profile` caches both per call signature (the same layer on the same input
-specs), as it does the static reading.
+`profile` caches both per distinct call (NOTE [ Calls that cost the same ] in
+`tfrecompute.graph.layer_graph`), as it does the static reading, and the
+measurement runs the step that reading traced (`traced_call_memory`).
 
 NOTE [ A call's measured workspace ]
 The step function returns the call's outputs, the gradients it makes (of
@@ -35,7 +36,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfrecompute._keras_internals import call_has_training_arg
-from tfrecompute.costs.call_memory import CallMemory
+from tfrecompute.costs.call_memory import CallMemory, TracedStep
 from tfrecompute.graph.layer_graph import tensor_bytes, trainable_variables
 
 __all__ = [
@@ -131,6 +132,7 @@ def measure_call(
     *,
     time_forward: bool = False,
     device: str | None = None,
+    traced: TracedStep | None = None,
 ) -> CallMeasurement:
     """Runs one call's forward and backward on tensors of the real shapes and measures it.
 
@@ -144,6 +146,9 @@ def measure_call(
         batch_size: the size of the leading `None` dimension.
         time_forward: also time the forward alone (`TIMED_RUNS` runs, median).
         device: `"CPU:0"` or `"GPU:0"`; by default `measurement_device()`.
+        traced: the call's step as `call_memory` traced it (`traced_call_memory`):
+            run instead of tracing the call again, given ones as its output
+            gradients (a large call's trace can take longer than its run).
     """
     name = device or measurement_device()
     flat = keras.tree.flatten((args, kwargs))
@@ -154,11 +159,15 @@ def measure_call(
     try:
         with tf.device(name):
             values = tuple(sample_tensor(t, batch_size) for t in symbolic)
-            both = tf.function(lambda *v: run(v, True), autograph=False)
-            both(*values)  # traces and compiles
+            if traced is None:
+                both, given = tf.function(lambda *v: run(v, True), autograph=False), values
+            else:
+                upstream = [_ones(spec) for spec in traced.specs[traced.arguments :]]
+                both, given = traced.function, (*values, *upstream)
+            both(*given)  # traces (unless traced) and compiles
             before = tf.config.experimental.get_memory_info(name)["current"]
             tf.config.experimental.reset_memory_stats(name)
-            kept, grads = both(*values)
+            kept, grads = both(*given)
             peak = tf.config.experimental.get_memory_info(name)["peak"] - before
             accounted = _bytes(list(kept)) + _bytes(list(grads))
             del kept, grads
@@ -167,6 +176,11 @@ def measure_call(
         for variable, value in zip(state, saved):
             variable.assign(value)
     return CallMeasurement(int(max(peak, 0)), accounted, seconds)
+
+
+def _ones(spec: tf.TensorSpec) -> tf.Tensor:
+    """An output gradient of `spec`: ones for a floating output, zeros for another."""
+    return (tf.ones if spec.dtype.is_floating else tf.zeros)(spec.shape, spec.dtype)
 
 
 def _time_forward(run: Any, values: tuple[tf.Tensor, ...], device: str) -> float:

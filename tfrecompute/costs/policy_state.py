@@ -25,7 +25,7 @@ import keras
 import tensorflow as tf
 
 from tfrecompute._keras_internals import call_has_training_arg
-from tfrecompute.graph.layer_graph import Call, LayerGraph
+from tfrecompute.graph.layer_graph import Call, LayerGraph, cost_keys
 from tfrecompute.layers.policy import Policy, Recorder, active
 
 __all__ = ["kept_products", "policy_link_costs"]
@@ -112,16 +112,15 @@ def kept_products(
     where: Callable[[Call], bool] | None = None,
 ) -> list[tuple[int, float]]:
     """Per link, the (bytes, FLOPs) of the products `policy` keeps in its calls (those
-    `where` selects), traced once per layer and input signature."""
+    `where` selects), traced once per distinct call (NOTE [ Calls that cost the same ])."""
     cache: dict[tuple[Any, ...], tuple[int, float]] = {}
+    keys = cost_keys(graph.calls)
     found = []
     for first, stop in links:
         link_bytes, link_flops = 0, 0.0
-        for call in graph.calls[first:stop]:
+        for call, key in zip(graph.calls[first:stop], keys[first:stop]):
             if where is not None and not where(call):
                 continue
-            signature = tuple((tuple(t.shape), str(t.dtype)) for t in call.tensor_args)
-            key = (id(call.layer), signature)
             if key not in cache:
                 cache[key] = _call_products(call, batch_size, policy)
             link_bytes += cache[key][0]

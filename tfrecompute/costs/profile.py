@@ -22,14 +22,20 @@ import tensorflow as tf
 from tfrecompute import strategies
 from tfrecompute._keras_internals import all_sublayers
 from tfrecompute._messages import as_bool, fail
-from tfrecompute.costs.call_memory import CallMemory, call_memory
+from tfrecompute.costs.call_memory import CallMemory, TracedStep, traced_call_memory
 from tfrecompute.costs.measured import corrected, measure_call
 from tfrecompute.costs.optimizer import compiled_or_adam, optimizer_costs
 from tfrecompute.costs.policy_state import kept_products, policy_link_costs
 from tfrecompute.costs.state_time import attention_core_seconds, policy_recompute_seconds
 from tfrecompute.graph.call_tree import trace_model
 from tfrecompute.graph.expand import Selection, expand, selected, selection
-from tfrecompute.graph.layer_graph import Call, LayerGraph, tensor_bytes, trainable_variables
+from tfrecompute.graph.layer_graph import (
+    Call,
+    LayerGraph,
+    cost_keys,
+    tensor_bytes,
+    trainable_variables,
+)
 from tfrecompute.graph.trace import (
     as_defined,
     batch_of,
@@ -386,16 +392,16 @@ def _timed_state(
 ) -> list[float]:
     """Per link, the measured seconds of its calls' recompute in a cheaper state, at most
     its measured forward's (NOTE [ Measured state times ]), timed once per layer and input
-    signature. Glue and blocks already in the model are not timed, as in `_measured`."""
+    signature (NOTE [ Calls that cost the same ]). Glue and blocks already in the model are
+    not timed, as in `_measured`."""
     cache: dict[tuple[Any, ...], float] = {}
+    keys = cost_keys(graph.calls)
     found = []
     for (first, stop), limit in zip(links, forward):
         total = 0.0
-        for call in graph.calls[first:stop]:
+        for call, key in zip(graph.calls[first:stop], keys[first:stop]):
             if call.glue or isinstance(call.layer, RecomputeBlock):
                 continue
-            signature = tuple((tuple(t.shape), str(t.dtype)) for t in call.tensor_args)
-            key = (id(call.layer), signature)
             if key not in cache:
                 cache[key] = seconds_of(call)
             total += cache[key]
@@ -438,20 +444,21 @@ def _call_memories(
     redo: Callable[[Call], bool] | None = None,
     reuse: Sequence[CallMemory] = (),
 ) -> tuple[list[CallMemory], list[float] | None]:
-    """What each call keeps for its backward, traced (or measured) once per layer and input
-    signature; with `measuring.time`, each call's measured forward seconds too. With
-    `redo`, only the calls it selects are traced; the others' memories come from `reuse`."""
+    """What each call keeps for its backward, traced (or measured) once per distinct call
+    (NOTE [ Calls that cost the same ]); with `measuring.time`, each call's measured forward
+    seconds too. With `redo`, only the calls it selects are traced; the others' memories
+    come from `reuse`."""
     cache: dict[tuple[Any, ...], tuple[CallMemory, float]] = {}
     memories, seconds = [], []
-    for done, call in enumerate(graph.calls, start=1):
-        signature = tuple((tuple(t.shape), str(t.dtype)) for t in call.tensor_args)
-        key = (id(call.layer), signature)
+    keys = cost_keys(graph.calls)
+    for done, (call, key) in enumerate(zip(graph.calls, keys), start=1):
         if redo is not None and not redo(call):
             memories.append(reuse[done - 1])
             seconds.append(0.0)
             continue
         if key not in cache:
-            cache[key] = _measured(call, _call_memory(call, batch_size), batch_size, measuring)
+            memory, traced = _call_memory(call, batch_size)
+            cache[key] = _measured(call, memory, traced, batch_size, measuring)
         memories.append(cache[key][0])
         seconds.append(cache[key][1])
         if progress is not None:
@@ -460,24 +467,30 @@ def _call_memories(
 
 
 def _measured(
-    call: Call, memory: CallMemory, batch_size: int, measuring: _Measuring
+    call: Call,
+    memory: CallMemory,
+    traced: TracedStep | None,
+    batch_size: int,
+    measuring: _Measuring,
 ) -> tuple[CallMemory, float]:
     """The call's memory corrected by a measurement when one is wanted, and its forward time.
 
     Glue and blocks already in the model are modelled, never measured; a
-    call of a layer without weights or differentiable inputs still runs.
+    call of a layer without weights or differentiable inputs still runs. The
+    measurement runs the step `traced` when given (the one `call_memory` read).
     """
     wanted = memory.opaque if measuring.calls is None else measuring.calls
     if call.glue or isinstance(call.layer, RecomputeBlock) or not (wanted or measuring.time):
         return memory, 0.0
     measured = measure_call(
-        call.layer, call.args, call.kwargs, batch_size, time_forward=measuring.time
+        call.layer, call.args, call.kwargs, batch_size, time_forward=measuring.time, traced=traced
     )
     return (corrected(memory, measured) if wanted else memory), measured.forward_seconds or 0.0
 
 
-def _call_memory(call: Call, batch_size: int) -> CallMemory:
-    """What one call keeps for its backward (see `call_memory`), glue and blocks included.
+def _call_memory(call: Call, batch_size: int) -> tuple[CallMemory, TracedStep | None]:
+    """What one call keeps for its backward (see `call_memory`), glue and blocks included,
+    and its traced step (None for glue).
 
     Glue (a layer's own computation between its sub-layer calls) is taken
     to keep nothing: its element-wise adds and reshapes do not. A
@@ -487,11 +500,13 @@ def _call_memory(call: Call, batch_size: int) -> CallMemory:
     """
     if call.glue:
         n_in, n_out = len(call.tensor_args), len(call.outputs)
-        return CallMemory(0, 0, (False,) * n_in, (False,) * n_out)
-    memory = call_memory(call.layer, call.args, call.kwargs, call.outputs, batch_size)
+        return CallMemory(0, 0, (False,) * n_in, (False,) * n_out), None
+    memory, traced = traced_call_memory(
+        call.layer, call.args, call.kwargs, call.outputs, batch_size
+    )
     if isinstance(call.layer, RecomputeBlock):
         memory = dataclasses.replace(memory, workspace_bytes=_block_workspace(call))
-    return memory
+    return memory, traced
 
 
 def _block_workspace(call: Call) -> int:

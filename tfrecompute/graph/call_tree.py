@@ -14,6 +14,7 @@ object in both. `tfrecompute.graph.layer_graph` turns the tree into a `LayerGrap
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Any
 
 import keras
@@ -25,7 +26,9 @@ from tfrecompute.graph.layer_graph import declared_input
 
 __all__ = [
     "TracedCall",
+    "TracedOps",
     "flat_tensors",
+    "forward_digest",
     "in_declared_order",
     "input_specs",
     "is_traced_tensor",
@@ -33,6 +36,49 @@ __all__ = [
     "sample_inputs",
     "trace_model",
 ]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TracedOps:
+    """The ops one call added to the graph of a trace: `graph.get_operations()[start:stop]`
+    (`graph.version` counts the ops added so far)."""
+
+    graph: Any
+    start: int
+    stop: int
+
+
+# Attributes that name things (colocation, resources, a custom gradient's
+# registration): they differ between calls that compute the same.
+_NAMING_ATTRS = frozenset(
+    {"_class", "_gradient_op_type", "_user_specified_name", "container", "shared_name"}
+)
+
+
+def forward_digest(traced: TracedOps, operations: list[Any]) -> str:
+    """A digest of the ops `traced` names (`operations`: all of its graph's, in order):
+    their types, attributes (names aside), output dtypes and shapes, and how they connect,
+    to each other and to tensors made before them."""
+    ops = operations[traced.start : traced.stop]
+    local = {op.name: index for index, op in enumerate(ops)}
+    made = {t.ref(): (index, j) for index, op in enumerate(ops) for j, t in enumerate(op.outputs)}
+    outside: dict[Any, tuple[Any, ...]] = {}
+    items = []
+    for op in ops:
+        inputs = [
+            made.get(t.ref())
+            or outside.setdefault(t.ref(), ("in", len(outside), t.dtype.name, str(t.shape)))
+            for t in op.inputs
+        ]
+        controls = sorted(local.get(c.name, -1) for c in op.control_inputs)  # -1: made before
+        attrs = sorted(
+            (name, value.SerializeToString(deterministic=True))
+            for name, value in op.node_def.attr.items()
+            if name not in _NAMING_ATTRS
+        )
+        outputs = [(t.dtype.name, str(t.shape)) for t in op.outputs]
+        items.append((op.type, inputs, controls, attrs, outputs))
+    return hashlib.sha256(repr(items).encode()).hexdigest()
 
 
 @dataclasses.dataclass(eq=False)
@@ -46,6 +92,8 @@ class TracedCall:
             Keras converted them; the caller's for a plain operation.
         outputs: what the call returned.
         children: the calls made while this one ran, in order.
+        traced_ops: the ops the call added to the trace's graph (None if it
+            began and ended in different graphs).
     """
 
     operation: Any
@@ -54,6 +102,7 @@ class TracedCall:
     received: tuple[tuple[Any, ...], dict[str, Any]] | None = None
     outputs: Any = None
     children: list[TracedCall] = dataclasses.field(default_factory=list)
+    traced_ops: TracedOps | None = None
 
     @property
     def name(self) -> str:
@@ -66,7 +115,9 @@ class _Recorder:
         self.stack: list[TracedCall] = []
 
     def enter(self, operation: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> TracedCall:
+        graph = tf.compat.v1.get_default_graph()
         call = TracedCall(operation, args, dict(kwargs))
+        call.traced_ops = TracedOps(graph, graph.version, graph.version)
         if self.stack:
             self.stack[-1].children.append(call)
         elif self.root is None:
@@ -80,6 +131,10 @@ class _Recorder:
 
     def exit(self, call: TracedCall, outputs: Any) -> None:
         call.outputs = outputs
+        began, graph = call.traced_ops, tf.compat.v1.get_default_graph()
+        if began is not None:
+            same = graph is began.graph
+            call.traced_ops = TracedOps(graph, began.start, graph.version) if same else None
         if call.received is None:
             call.received = (call.args, call.kwargs)
         while self.stack and self.stack.pop() is not call:

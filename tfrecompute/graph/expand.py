@@ -49,12 +49,19 @@ from tfrecompute._keras_internals import (
     is_functional,
 )
 from tfrecompute._messages import fail
-from tfrecompute.graph.call_tree import TracedCall, flat_tensors, is_traced_tensor
+from tfrecompute.graph.call_tree import (
+    TracedCall,
+    TracedOps,
+    flat_tensors,
+    forward_digest,
+    is_traced_tensor,
+)
 from tfrecompute.graph.layer_graph import (
     Call,
     LayerGraph,
     Region,
     Unit,
+    call_signature,
     declared_input,
     declared_output,
 )
@@ -84,6 +91,7 @@ class _Expander:
     counts: dict[int, int]  # calls of each layer object in the whole trace
     calls: list[Call] = dataclasses.field(default_factory=list)
     proxies: dict[Any, keras.KerasTensor] = dataclasses.field(default_factory=dict)
+    traced: dict[int, TracedOps | None] = dataclasses.field(default_factory=dict)  # by id(Call)
 
     def proxy(self, tensor: tf.Tensor) -> keras.KerasTensor:
         """The KerasTensor standing for a traced tensor (one per tensor)."""
@@ -136,6 +144,7 @@ class _Expander:
                 outputs = [self.fresh(t) for t in produced]
                 call_ = Call(layer, args, kwargs, outputs=outputs, node=node, region=region)
                 self.calls.append(dataclasses.replace(call_, level=level, path=path))
+                self.traced[id(self.calls[-1])] = child.traced_ops
             elif isinstance(layer, keras.Model) and is_functional(layer):
                 passed = _flat_proxies(_model_inputs(layer, args, kwargs))
                 inner = dict(zip(map(id, functional_inputs(layer)), passed))
@@ -167,6 +176,7 @@ class _Expander:
                 outputs = [self.proxy(t) for t in flat_tensors(child.outputs)]
                 call_ = Call(layer, *passed, outputs=outputs, unit=unit, level=level, path=path)
                 self.calls.append(call_)
+                self.traced[id(call_)] = child.traced_ops
             elif isinstance(layer, keras.Model) and is_functional(layer):
                 self.model_in_code(child, unit, passed, level + 1, sub_path)
             else:
@@ -245,6 +255,7 @@ def expand(
             lambda t: expander.proxies[t.ref()] if is_traced_tensor(t) else t, root.outputs
         )
         root_region = None
+    _digest_twins(expander.calls, expander.traced)
     return LayerGraph(
         model,
         expander.calls,
@@ -430,3 +441,20 @@ def _sources(tensor: tf.Tensor, known: set[Any]) -> list[tf.Tensor]:
         else:
             pending.extend(current.op.inputs)
     return list(found.values())
+
+
+def _digest_twins(calls: list[Call], traced: dict[int, TracedOps | None]) -> None:
+    """Sets `forward_digest` on each call of a layer that has a possible twin: another layer
+    of its class called on the same input specs (NOTE [ Calls that cost the same ])."""
+    layers: dict[tuple[Any, ...], set[int]] = {}
+    for call in calls:
+        layers.setdefault((type(call.layer), call_signature(call)), set()).add(id(call.layer))
+    listed: dict[int, list[Any]] = {}  # each traced graph's ops, listed once
+    for call in calls:
+        ops = traced.get(id(call))
+        if ops is None or call.glue or len(layers[(type(call.layer), call_signature(call))]) < 2:
+            continue
+        if id(ops.graph) not in listed:
+            listed[id(ops.graph)] = ops.graph.get_operations()
+        if len(listed[id(ops.graph)]) == ops.graph.version:  # what `TracedOps` relies on
+            call.forward_digest = forward_digest(ops, listed[id(ops.graph)])

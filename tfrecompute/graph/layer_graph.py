@@ -31,6 +31,8 @@ __all__ = [
     "Region",
     "TensorInfo",
     "Unit",
+    "call_signature",
+    "cost_keys",
     "declared_input",
     "declared_output",
     "tensor_bytes",
@@ -139,6 +141,49 @@ class Region:
     alone: bool = True
 
 
+def call_signature(call: Call) -> tuple[tuple[tuple[int | None, ...], str], ...]:
+    """The shape and dtype of each distinct tensor argument of a call."""
+    return tuple((tuple(t.shape), str(t.dtype)) for t in call.tensor_args)
+
+
+def cost_keys(calls: Sequence[Call]) -> list[tuple[Any, ...]]:
+    """Per call, a key that calls sharing it share every cost of (what they keep, measure,
+    time, and keep under a policy): NOTE [ Calls that cost the same ].
+
+    NOTE [ Calls that cost the same ]
+    What a call keeps for its backward, what measuring it shows and what a
+    policy keeps of it follow from the ops its forward makes, the shapes and
+    dtypes they see, and which of its variables train. Calls of one layer on
+    the same input specs share them; so do calls of different layers of one
+    class whose forward ops in the model's trace match op for op (type,
+    attributes, output dtypes and shapes, connections; names, colocation and
+    custom-gradient ids aside: `Call.forward_digest`, which `expand` sets
+    where a layer of the same class takes the same input specs) and whose
+    weights match in shape, dtype and trainability. The repeated blocks of
+    a deep model are then traced, measured and timed once, not once per
+    layer: keras-hub's Qwen3.5 linear-attention decoder layer unrolls a
+    63-step Python loop into about 2,300 forward ops (6,300 with its
+    gradient), ResNet152's 50 bottleneck blocks repeat a few convolutions.
+    A layer called more than once is keyed by its first call.
+    """
+    first: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+    keys = []
+    for call in calls:
+        signature = call_signature(call)
+        identity = (id(call.layer), signature)
+        if identity not in first:
+            if call.forward_digest is None:
+                first[identity] = identity
+            else:
+                weights = tuple(
+                    (tuple(v.shape), str(v.dtype), bool(v.trainable))
+                    for v in getattr(call.layer, "weights", ())
+                )
+                first[identity] = (type(call.layer), call.forward_digest, weights, signature)
+        keys.append(first[identity])
+    return keys
+
+
 @dataclasses.dataclass(eq=False)
 class Unit:
     """A graph call whose inside is checkpointed in place (see `Call.unit`).
@@ -178,6 +223,9 @@ class Call:
         glue: a layer's own computation between its sub-layer calls (never
             recomputed).
         inputs: ids of the KerasTensors it consumes, in argument order.
+        forward_digest: a digest of the ops its call made in the model's
+            trace, set by `expand` where a twin may exist (NOTE [ Calls that
+            cost the same ]); None otherwise.
     """
 
     layer: Any
@@ -190,6 +238,7 @@ class Call:
     level: int = 1
     path: str = ""
     glue: bool = False
+    forward_digest: str | None = None
     inputs: list[int] = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
