@@ -36,6 +36,7 @@ ORDER = [
     "tfrecompute.strategies",
     "tfrecompute.startup",
     "tfrecompute._keras_internals",
+    "tfrecompute.distribute",
     "tfrecompute.layers.custom_gradient",
     "tfrecompute.layers.state",
     "tfrecompute.layers.randomness",
@@ -93,6 +94,7 @@ BASE = {
     "tfrecompute._messages",
     "tfrecompute.startup",
     "tfrecompute._keras_internals",
+    "tfrecompute.distribute",
 }
 SURFACE = {"tfrecompute", "tfrecompute.whole_model"}
 FOLDERS = ["strategies", "layers", "graph", "costs", "rewrite", "check"]

@@ -54,7 +54,6 @@ __all__ = [
     "is_functional",
     "keras_history_operation",
     "op_callback",
-    "outside_strategy_scope",
     "own_variables",
     "record_operation",
     "recording_calls",
@@ -344,34 +343,6 @@ def functional_model(inputs: Any, outputs: Any, *, name: str) -> keras.Model:
     finally:
         for operation, original in renamed:
             operation.name = original
-
-
-@contextlib.contextmanager
-def outside_strategy_scope() -> Iterator[None]:
-    """Runs the body as outside any `tf.distribute` strategy's scope (no-op outside one).
-
-    NOTE [ Tracing costs inside a strategy's scope ]
-    Inside `strategy.scope()` the thread is in the strategy's cross-replica
-    context, where a mirrored variable has no single `handle`: the gradient
-    that the cost tracer takes of a layer's call with respect to its weights
-    fails ("DistributedVariable.handle is not available outside the replica
-    context"). Outside the scope the same variable reads as its first
-    replica's value, which is all a trace of shapes and ops needs. TensorFlow
-    keeps the scope on a per-graph stack (`_distribution_strategy_stack`,
-    copied into each function graph made while it is set), with no public
-    way to step out of it.
-    """
-    graph = tf.compat.v1.get_default_graph()
-    stack = getattr(graph, "_distribution_strategy_stack", None)
-    if not stack:
-        yield
-        return
-    saved = list(stack)
-    stack.clear()
-    try:
-        yield
-    finally:
-        stack[:] = saved
 
 
 def inbound_nodes(layer: Any) -> list[Any]:

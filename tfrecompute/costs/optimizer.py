@@ -29,7 +29,7 @@ them all. A model not compiled yet is modelled with Adam
 (`compiled_or_adam`). Global clipping and accumulation are left out of the
 clone (those copies are the keep-all workspace already); a loss-scale
 optimizer is measured by its inner one. The probe runs in a thread of its
-own (`_in_own_thread`), outside any `tf.distribute` strategy of the caller:
+own (`tfrecompute.distribute.in_own_thread`), outside any `tf.distribute` strategy of the caller:
 its optimizer and variable are not the model's.
 tests/costs/test_optimizer.py checks the ratios and the predicted peaks of
 small-batch steps against measured ones.
@@ -41,7 +41,6 @@ import dataclasses
 import json
 import logging
 import math
-import threading
 from typing import Any
 
 import keras
@@ -49,6 +48,7 @@ import tensorflow as tf
 
 from tfrecompute import strategies
 from tfrecompute.costs.measured import measurement_device
+from tfrecompute.distribute import in_own_thread
 from tfrecompute.graph.layer_graph import LayerGraph, tensor_bytes, trainable_variables
 
 __all__ = [
@@ -90,7 +90,7 @@ def compiled_or_adam(model: keras.Model) -> Any:
         return compiled
     # Made in a thread of its own: Adam's `iterations` variable would otherwise be made
     # by a `tf.distribute` strategy whose scope profiling stepped out of (NOTE above).
-    return _in_own_thread(keras.optimizers.Adam)
+    return in_own_thread(keras.optimizers.Adam)
 
 
 def keeps_all_gradients(optimizer: Any) -> bool:
@@ -118,7 +118,7 @@ def update_workspace_ratio(optimizer: Any, *, device: str | None = None) -> floa
         options = {k: v for k, v in config.items() if k != "name"}
         key = (type(optimizer).__qualname__, json.dumps(options, sort_keys=True, default=str), name)
         if key not in _ratios:
-            _ratios[key] = _in_own_thread(_measured_ratio, type(optimizer), config, name)
+            _ratios[key] = in_own_thread(_measured_ratio, type(optimizer), config, name)
     except Exception as error:  # a custom optimizer's config, or its update, failed
         _log.warning(
             "profile: the updates of %s were not measured (%s); the predicted peak leaves "
@@ -128,32 +128,6 @@ def update_workspace_ratio(optimizer: Any, *, device: str | None = None) -> floa
         )
         return 0.0
     return _ratios[key]
-
-
-def _in_own_thread(function: Any, *args: Any) -> Any:
-    """`function(*args)` in a new thread: outside the caller's `tf.distribute` strategy.
-
-    The probe's optimizer and variable are clones, not the model's: made under
-    a strategy they would be distributed ones, which the update refuses
-    outside a replica context ("Need to be inside strategy.scope()"). Profiling
-    steps out of the strategy's scope (`outside_strategy_scope`) but its
-    variable creator stays in place; both belong to the thread, so a new
-    thread has neither. One thread per optimizer configuration (`_ratios`).
-    """
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["value"] = function(*args)
-        except Exception as error:  # raised again in the caller's thread
-            outcome["error"] = error
-
-    thread = threading.Thread(target=run, name="tfrecompute-update-probe")
-    thread.start()
-    thread.join()
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
 
 
 def _measured_ratio(optimizer_class: Any, config: dict[str, Any], device: str) -> float:

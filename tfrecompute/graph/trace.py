@@ -16,8 +16,8 @@ from typing import Any
 
 import keras
 
-from tfrecompute._keras_internals import outside_strategy_scope
 from tfrecompute._messages import as_count, as_positive_int, fail
+from tfrecompute.distribute import outside_strategy_scope
 from tfrecompute.graph.call_tree import input_specs, not_a_batch, sample_inputs, trace_model
 from tfrecompute.graph.expand import expand, selected, selection
 from tfrecompute.graph.layer_graph import LayerGraph
