@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import sys
 import time
@@ -167,12 +168,14 @@ def main() -> None:
         print(json.dumps(worker(args.worker)))
         return
     names = args.models or (SMOKE_MODELS if args.smoke else MODELS)
-    rows = []
+    rows, loads = [], []
     for name in names:
         print(f"planning_time: {name} ...", file=sys.stderr, flush=True)
+        loads.append(os.getloadavg()[0])
         rows.append(_report.run_worker(pathlib.Path(__file__), ["--worker", name], timeout=1800))
     report = {
         "machine": _report.machine(),
+        "load_average_at_each_model": loads,
         "versions": _report.versions("tensorflow", "keras", "keras-hub"),
         "rows": rows,
     }
@@ -180,7 +183,10 @@ def main() -> None:
     header = (
         "# Planning time\n\nEach model in a fresh process, random init; `plan` profiles "
         "the model (trace, price, plan), `recompute` right after it on the same sample "
-        "reuses the chain the plan holds. Wall and CPU seconds.\n\n"
+        "reuses the chain the plan holds. Wall and CPU seconds; on a shared machine the "
+        "wall clock stretches with the load, CPU time much less. Load (1-minute average, "
+        f"{os.cpu_count()} cores) as each model began: {', '.join(f'{x:.1f}' for x in loads)}."
+        "\n\n"
     )
     for path in _report.write(out, "planning_time", report, header + _table(rows)):
         print(path)
