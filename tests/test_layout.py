@@ -58,6 +58,7 @@ ORDER = [
     "tfrecompute.graph.expand",
     "tfrecompute.graph.trace",
     "tfrecompute.costs",
+    "tfrecompute.costs.loop_memory",
     "tfrecompute.costs.call_memory",
     "tfrecompute.costs.policy_state",
     "tfrecompute.costs.measured",

@@ -50,6 +50,7 @@ __all__ = [
     "in_control_flow_body",
     "in_symbolic_scope",
     "intercept_backend_ops",
+    "loop_body_graph",
     "inbound_nodes",
     "is_functional",
     "keras_history_operation",
@@ -463,3 +464,17 @@ def intercept_backend_ops(wrap: Any) -> None:
 
 # `xplane_pb2` (imported above): `tf.profiler` writes XSpace protobufs but
 # offers no reader for them; `trace_step` parses the allocator's events.
+
+
+def loop_body_graph(op: tf.Operation) -> Any:
+    """The graph of a `While`/`StatelessWhile` op's body (None if it cannot be found).
+
+    `tf.while_loop` in a `tf.function` stores its body as a function of the
+    outer graph, named in the op's `body` attribute; TensorFlow has no public
+    way to read that function's graph back from the op.
+    """
+    try:
+        function = op.graph._get_function(op.get_attr("body").name)
+    except (AttributeError, ValueError, KeyError):
+        return None
+    return getattr(function, "graph", None)

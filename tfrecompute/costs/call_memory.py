@@ -15,6 +15,7 @@ import keras
 import tensorflow as tf
 
 from tfrecompute._keras_internals import call_has_training_arg
+from tfrecompute.costs.loop_memory import accumulated_bytes, stepped_source
 from tfrecompute.graph.layer_graph import trainable_variables
 
 __all__ = ["CallMemory", "TracedStep", "call_memory", "traced_call_memory"]
@@ -158,12 +159,13 @@ def traced_call_memory(
         for t in op.outputs
         if tuple(t.shape) not in io_shapes and t.ref() not in returned
     ]
+    loops = [accumulated_bytes(t) for t in kept]  # NOTE [ What a loop keeps for its backward ]
     memory = CallMemory(
-        kept_bytes=sum(_static_bytes(t) for t in kept),
+        kept_bytes=sum(_static_bytes(t) for t in kept) + sum(n or 0 for n in loops),
         workspace_bytes=max((_static_bytes(t) for t in backward), default=0),
         reads_inputs=tuple(key in read for key in traced.inputs),
         reads_outputs=tuple(key in read for key in traced.outputs),
-        opaque=any(_opaque(op) for op in traced.operations),
+        opaque=any(_opaque(op) for op in traced.operations) or None in loops,
         casts_inputs=tuple(key in _cast_sources(read) for key in traced.inputs),
     )
     return memory, step
@@ -209,12 +211,22 @@ def _made_early(traced: _TracedCall) -> dict[Any, tf.Tensor]:
 
 
 def _cast_sources(read: dict[Any, tf.Tensor]) -> set[Any]:
-    """The buffers that a read tensor is a cast of (by reference)."""
-    return {
-        _buffer(tensor.op.inputs[0]).ref()
-        for tensor in read.values()
-        if tensor.op.type == "Cast" and tensor.op.inputs
-    }
+    """The buffers that a read tensor is a cast of (by reference), or for the list a loop
+    steps through (`stepped_source`), a transpose of: an RNN keeps its inputs time-major."""
+    found = set()
+    for tensor in read.values():
+        copies = ("Cast", "Transpose") if _stepped(tensor, read) else ("Cast",)
+        if tensor.op.type in copies and tensor.op.inputs:
+            found.add(_buffer(tensor.op.inputs[0]).ref())
+    return found
+
+
+def _stepped(tensor: tf.Tensor, read: dict[Any, tf.Tensor]) -> bool:
+    """Whether `tensor` is what a read loop accumulator's stepped list was made from."""
+    return any(
+        source is not None and _buffer(source).ref() == tensor.ref()
+        for source in map(stepped_source, read.values())
+    )
 
 
 # Ops that run a function body the reading above does not look into.
@@ -302,4 +314,9 @@ def _read_by_backward(traced: _TracedCall) -> dict[Any, tf.Tensor]:
             if tensor.ref() in forward:
                 root = _buffer(tensor)
                 read[root.ref()] = root
+    for tensor in list(read.values()):  # NOTE [ What a loop keeps for its backward ]
+        source = stepped_source(tensor)
+        if source is not None:
+            root = _buffer(source)
+            read[root.ref()] = root
     return read
