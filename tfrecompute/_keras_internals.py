@@ -19,7 +19,7 @@ import tensorflow as tf
 from keras.src import backend as keras_backend
 from keras.src.backend.common import global_state
 from keras.src.backend.common.symbolic_scope import in_symbolic_scope
-from keras.src.layers.layer import CallContext
+from keras.src.layers.layer import CallContext, CallSpec
 from keras.src.ops import function as keras_function
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import context, record
@@ -31,6 +31,7 @@ __all__ = [
     "VariableWatcher",
     "all_sublayers",
     "backing_variable",
+    "build_as_called",
     "call_context",
     "call_has_mask_arg",
     "call_has_training_arg",
@@ -55,6 +56,7 @@ __all__ = [
     "is_functional",
     "keras_history_operation",
     "op_callback",
+    "outside_stateless_scope",
     "own_variables",
     "record_operation",
     "recording_calls",
@@ -241,6 +243,41 @@ def current_training() -> Any:
     """The `training` value of the Keras layer call in progress (None outside any)."""
     context = global_state.get_global_attribute("current_call_ctx")
     return None if context is None else context.get_value("training")
+
+
+def build_as_called(
+    layer: keras.layers.Layer, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """Builds `layer` as `layer(*args, **kwargs)` would, without calling it.
+
+    Keras builds a layer in its `__call__` (`_maybe_build`: its `build()` on
+    the shapes of the arguments, or for a layer without one a symbolic run
+    of `call()`); no public API runs that step alone. A block builds a layer
+    there when its first call comes inside a stateless scope (NOTE [ Layers
+    built by the forward ] in `layers/frame.py`).
+    """
+    if hasattr(layer, "_call_context_args"):  # keras 3.15; older ones take no such list
+        spec = CallSpec(layer._call_signature, layer._call_context_args, args, kwargs)
+    else:
+        spec = CallSpec(layer._call_signature, args, kwargs)
+    with layer._open_name_scope():
+        layer._maybe_build(spec)
+
+
+@contextlib.contextmanager
+def outside_stateless_scope() -> Iterator[None]:
+    """Runs what is inside as if no Keras stateless scope were active.
+
+    A Keras variable created inside a stateless scope is left uninitialized
+    and reads as a fresh draw of its initializer until the outermost scope
+    exits; Keras has no public way to step out of a scope.
+    """
+    scope = global_state.get_global_attribute("stateless_scope")
+    global_state.set_global_attribute("stateless_scope", None)
+    try:
+        yield
+    finally:
+        global_state.set_global_attribute("stateless_scope", scope)
 
 
 def backing_variable(variable: Any) -> Any:

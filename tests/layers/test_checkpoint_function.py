@@ -81,6 +81,34 @@ def test_dropout_and_batch_norm_in_a_closure(mode):
     assert any(not np.array_equal(a, b) for a, b in zip(save_state(state), before))
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_layers_first_built_by_the_first_taped_call_get_their_gradients(mode):
+    """Layers in the closure built by the checkpointed function's first call, under a tape:
+    their weights as built (not fresh initializer draws) and their exact gradients."""
+
+    def make():
+        keras.utils.set_random_seed(0)
+        return keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(4)
+
+    def run(fn, layers):
+        def step(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = fn(x)
+                loss = tf.reduce_sum(y * tf.sin(tf.range(4, dtype=y.dtype)))
+            variables = [v for layer in layers for v in layer.trainable_variables]
+            return y, tape.gradient(loss, [x, *variables])
+
+        return (step if mode == "eager" else tf.function(step))(normal((8, 8)))
+
+    first, second = make()
+    got = run(tfrecompute.checkpoint(lambda t: second(first(t))), (first, second))
+    plain_first, plain_second = make()
+    want = run(lambda t: plain_second(plain_first(t)), (plain_first, plain_second))
+    assert all(g is not None for g in got[1]), got[1]
+    assert_same_values(got, want, what="outputs and gradients")
+
+
 def test_reaches_the_state_of_what_it_calls():
     dense, dropout, norm = _layers()
     checkpointed = tfrecompute.checkpoint(lambda x: norm(dropout(dense(x))))

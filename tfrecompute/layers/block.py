@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import keras
@@ -11,6 +13,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfrecompute._keras_internals import (
+    all_sublayers,
+    backing_variable,
     call_has_mask_arg,
     call_has_training_arg,
     compute_output_spec,
@@ -19,6 +23,7 @@ from tfrecompute._keras_internals import (
     in_control_flow_body,
     set_mask_metadata,
     should_record_backprop,
+    stop_recording,
     tape_is_recording,
     track_dependency,
 )
@@ -26,7 +31,12 @@ from tfrecompute._messages import as_bool, describe, fail, received
 from tfrecompute.errors import NonReplayableRandomnessError
 from tfrecompute.layers.debug import debug_enabled
 from tfrecompute.layers.dtypes import block_dtype_findings
-from tfrecompute.layers.frame import RecomputeFrame, in_block_forward, is_float_tensor
+from tfrecompute.layers.frame import (
+    RecomputeFrame,
+    build_before_call,
+    in_block_forward,
+    is_float_tensor,
+)
 from tfrecompute.layers.policy import (
     boundary,
     deserialize_policy,
@@ -34,9 +44,20 @@ from tfrecompute.layers.policy import (
     resolve_policy,
     serialize_policy,
 )
-from tfrecompute.layers.state import RecordingStatelessScope
+from tfrecompute.layers.state import RecordingStatelessScope, snapshot
 
 __all__ = ["RecomputeBlock", "apply_in_order"]
+
+
+_local = threading.local()
+
+
+def _calling() -> list[int]:
+    """The ids of the blocks whose `__call__` runs in this thread (replicas trace in threads)."""
+    if not hasattr(_local, "calling"):
+        _local.calling = []
+    calling: list[int] = _local.calling
+    return calling
 
 
 def _is_symbolic(structure: Any) -> bool:
@@ -129,6 +150,25 @@ def _shape_to_spec(shape: Any, dtype: Any) -> Any:
     return None if shape is None else keras.KerasTensor(shape, dtype=dtype)
 
 
+def _held_graph_tensors(layers: Sequence[keras.layers.Layer]) -> dict[int, tuple[Any, str]]:
+    """The graph tensors `layers` and their sublayers hold as attributes (one level into
+    lists, tuples and dicts), by id: `(tensor, "<layer>.<attribute>")`."""
+    found: dict[int, tuple[Any, str]] = {}
+    for layer in layers:
+        for sublayer in all_sublayers(layer):
+            for name, value in vars(sublayer).items():
+                if isinstance(value, (list, tuple)):
+                    leaves = list(value)
+                elif isinstance(value, dict):
+                    leaves = list(value.values())
+                else:
+                    leaves = [value]
+                for leaf in leaves:
+                    if isinstance(leaf, tf.Tensor) and tf.is_symbolic_tensor(leaf):
+                        found[id(leaf)] = (leaf, f"{sublayer.name}.{name}")
+    return found
+
+
 def _instance_hint(value: Any, otherwise: str) -> str:
     """The fix for a layer argument: an instance instead of a class, else `otherwise`."""
     if isinstance(value, type) and issubclass(value, keras.layers.Layer):
@@ -208,12 +248,16 @@ def apply_in_order(
         call_kwargs["mask"] = mask
     if training is not None and call_has_training_arg(first):
         call_kwargs["training"] = training
+    if not first.built:  # NOTE [ Layers built by the forward ] in frame.py
+        build_before_call(first, (inputs, *args), call_kwargs)
     outputs = first(inputs, *args, **call_kwargs)
     for layer in layers[1:]:
+        layer_kwargs = {}
         if training is not None and call_has_training_arg(layer):
-            outputs = layer(outputs, training=training)
-        else:
-            outputs = layer(outputs)
+            layer_kwargs["training"] = training
+        if not layer.built:
+            build_before_call(layer, (outputs,), layer_kwargs)
+        outputs = layer(outputs, **layer_kwargs)
     return outputs
 
 
@@ -362,7 +406,12 @@ class RecomputeBlock(keras.layers.Layer):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._single and args and (len(args) > 1 or kwargs):
             args, kwargs = _route(args, kwargs)
-        return super().__call__(*args, **kwargs)
+        calling = _calling()
+        calling.append(id(self))
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            calling.pop()
 
     # ---------------------------------------------------------------- build
 
@@ -372,22 +421,44 @@ class RecomputeBlock(keras.layers.Layer):
     def build(self, input_shape: Any = None, *args: Any, **kwargs: Any) -> None:
         # Keras passes the first input's shape only to a build() that names a
         # parameter; inside strategy.scope() this is where the inner layers
-        # must create their (distributed) variables.
-        if not self._inner_built() and input_shape is not None and not args and not kwargs:
+        # must create their (distributed) variables. Called by the block's own
+        # `__call__`, it leaves them to be built where they are called (NOTE
+        # [ Layers built by the forward ] in frame.py): a symbolic call here
+        # would run each layer's `call()` once more than unwrapped.
+        if (
+            not self._inner_built()
+            and id(self) not in _calling()
+            and input_shape is not None
+            and not args
+            and not kwargs
+        ):
             specs = keras.tree.map_shape_structure(
                 lambda shape: _shape_to_spec(shape, self.input_dtype), input_shape
             )
-            try:
-                compute_output_spec(self._run_inner, specs, training=False)
-            except Exception as error:  # retried with the real input dtypes in call()
-                self._build_error = error
+            with self._no_escaped_tensors():
+                try:
+                    compute_output_spec(self._run_inner, specs, training=False)
+                except Exception as error:  # retried with the real input dtypes in call()
+                    self._build_error = error
         self.built = True
         if self._warns_of_dtypes:
             for finding in block_dtype_findings(self, self.name):
                 warnings.warn(str(finding), stacklevel=2)
 
-    def _build_inner_like(self, inputs: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Builds the inner layers by a symbolic call on specs of the real inputs."""
+    def _build_symbolically(
+        self,
+        inputs: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        layer: keras.layers.Layer | None = None,
+    ) -> None:
+        """Builds the wrapped layers (or one of them, `layer`) by a symbolic call.
+
+        The call gets specs of the real arguments. It runs `call()` once more
+        than the layers unwrapped would, so the first call of a block uses it
+        only where building as called cannot work (see `build_layer` in
+        frame.py).
+        """
 
         def spec(value: Any) -> Any:
             if tf.is_tensor(value) or hasattr(value, "shape") and hasattr(value, "dtype"):
@@ -396,30 +467,64 @@ class RecomputeBlock(keras.layers.Layer):
                 )
             return value
 
-        try:
-            compute_output_spec(
-                self._run_inner,
-                keras.tree.map_structure(spec, inputs),
-                *keras.tree.map_structure(spec, args),
-                training=False,
-                **keras.tree.map_structure(spec, kwargs),
-            )
-        except Exception as error:
-            raise ValueError(
-                f"RecomputeBlock '{self.name}': could not build the wrapped layers by "
-                "tracing them symbolically, so their variables are unknown before the "
-                f"recomputed call. {received('layers', self.unwrap())}. Build the "
-                "wrapped layers or model first (call it once on a batch), or wrap its "
-                "traceable parts in RecomputeBlocks instead. Cause: "
-                f"{type(error).__name__}: {error}"
-            ) from (self._build_error or error)
-        if not self._inner_built():
-            unbuilt = [layer.name for layer in self.inner if not layer.built]
+        fn, targets = (self._run_inner, self.inner) if layer is None else (layer, [layer])
+        if layer is None or call_has_training_arg(layer):
+            kwargs = {**kwargs, "training": False}
+        with self._no_escaped_tensors():
+            try:
+                compute_output_spec(
+                    fn,
+                    keras.tree.map_structure(spec, inputs),
+                    *keras.tree.map_structure(spec, args),
+                    **keras.tree.map_structure(spec, kwargs),
+                )
+            except Exception as error:
+                raise ValueError(
+                    f"RecomputeBlock '{self.name}': could not build the wrapped layers by "
+                    "tracing them symbolically, so their variables are unknown before the "
+                    f"recomputed call. {received('layers', self.unwrap())}. Build the "
+                    "wrapped layers or model first (call it once on a batch), or wrap its "
+                    "traceable parts in RecomputeBlocks instead. Cause: "
+                    f"{type(error).__name__}: {error}"
+                ) from (self._build_error or error)
+        unbuilt = [target.name for target in targets if not target.built]
+        if unbuilt:
             raise ValueError(
                 f"RecomputeBlock '{self.name}': the wrapped layers {unbuilt} are still "
                 "not built after a symbolic call, so their variables are unknown before "
                 f"the recomputed call. {received('layers', self.unwrap())}. Build "
                 "them before training (call them once on a batch)."
+            )
+
+    @contextlib.contextmanager
+    def _no_escaped_tensors(self) -> Iterator[None]:
+        """Fails if a symbolic call left graph tensors on the layers.
+
+        NOTE [ Tensors kept from a symbolic call ]
+        A layer that keeps a tensor from its `call()` on itself (a cache, the
+        first input it saw) keeps, from a symbolic call, a tensor of a graph
+        that is gone; its next eager call fails with TensorFlow's "... is out
+        of scope and cannot be used here" (JAX's escaped tracer), far from
+        the cause. The block's first call runs no symbolic call that the
+        layers unwrapped would not run (NOTE [ Layers built by the forward ]
+        in frame.py); where it still builds them symbolically (`build()`
+        called directly, a block in a loop body, a layer whose own build
+        leaves sublayers unbuilt), it names such tensors instead.
+        """
+        before = _held_graph_tensors(self.inner)
+        yield
+        after = _held_graph_tensors(self.inner)
+        escaped = [where for key, (_, where) in after.items() if key not in before]
+        if escaped:
+            fail(
+                f"RecomputeBlock '{self.name}'",
+                "building the wrapped layers by a symbolic call left graph tensors on "
+                f"them ({', '.join(escaped[:5])}), which a later call cannot use (TensorFlow: "
+                "'... is out of scope')",
+                "layers",
+                self.unwrap(),
+                "Build the layers by calling them once on a batch before training, or keep "
+                "tensors computed in call() off the layer (return them instead)",
             )
 
     # ----------------------------------------------------------------- call
@@ -457,37 +562,102 @@ class RecomputeBlock(keras.layers.Layer):
                 "or wrap a Functional model that takes them as inputs."
             )
         _check_training(self.name, training)
-        if not self._inner_built():
-            self._build_inner_like(inputs, args, kwargs)
         if self._policy_scope is not None:  # the layers run, inside it ("attention")
             with self._policy_scope(self.inner):
                 return self._run_inner(inputs, *args, training=training, mask=mask, **kwargs)
         if not self._may_recompute(inputs, args, kwargs, training):
             return self._run_inner(inputs, *args, training=training, mask=mask, **kwargs)
         in_loop = in_control_flow_body()
+        if in_loop and not self._inner_built():  # the recompute reads the weights read before
+            self._build_symbolically(inputs, args, kwargs)
+        state_variables = self._state_variables()
+        # A loop body or cond branch is not recorded by any tape: whether a
+        # gradient reaches the block there is known only once the loop's
+        # gradient is built, so the block checkpoints.
+        if not in_loop and not self._gradient_may_reach((inputs, args, kwargs), state_variables):
+            return self._call_without_gradient(
+                inputs, args, kwargs, training, mask, state_variables
+            )
         frame = RecomputeFrame(
             self,
             (inputs, args, kwargs),
             training=training,
             mask=mask,
-            state_variables=self._state_variables(),
+            state_variables=state_variables,
             loop_weights=list(self.trainable_variables) if in_loop else [],
             debug=self.debug or debug_enabled(),
             policy=self._recompute_policy,
         )
-        watched = should_record_backprop(frame.own_sources())
-        if self.trainable_variables or in_loop or watched:
-            # A loop body or cond branch is not recorded by any tape: whether a
-            # gradient reaches the block there is known only once the loop's
-            # gradient is built, so the block checkpoints.
-            return self._recomputed_call(frame)
-        # No weights, and no tape watches the inputs or the state's values: the
-        # tapes record nothing here, so a recompute would only cost time.
-        outputs = self._run_inner(inputs, *args, training=training, mask=mask, **kwargs)
+        return self._recomputed_call(frame)
+
+    def _gradient_may_reach(self, call: Any, state_variables: list[Any]) -> bool:
+        """Whether a gradient may reach this call (NOTE [ Frozen blocks ]).
+
+        NOTE [ Frozen blocks ]
+        A block whose wrapped weights are all frozen (Keras `trainable=False`)
+        and whose floating inputs no tape watches gets no gradient, and a
+        recompute in backprop would only cost time. Whether a tape watches
+        its weights must be decided without reading them: Keras leaves a
+        frozen layer's `tf.Variable`s `trainable=True` (frozen after it was
+        built, or built outside a stateless scope), and a tape that watches
+        the variables it sees read (every train step's) would watch them at
+        the first read. So the block asks whether a tape already watches a
+        state variable's handle (`tape.watch(layer.kernel.value)`, or a read
+        earlier in the step). If nothing is watched it runs its layers once,
+        in a stateless scope that maps its state variables to values read
+        with the tapes stopped: no tape records the block (nothing is kept
+        for backprop) and nothing is recomputed. Where an input or a state
+        variable is watched, or a wrapped weight is trainable, or the layers
+        are not built yet (`RecomputeFrame.run` decides again once its
+        forward built them), it checkpoints as usual.
+
+        The one difference from the layers unwrapped: there the first read
+        of such a frozen variable makes the tape watch it, so
+        `tape.gradient(loss, layer.kernel.value)` gives a tensor, where
+        through the block it gives None (Keras's optimizers and `fit` ask
+        only for `trainable_variables`). In a graph the block's ops are
+        plain ops on the variables' reads, so a gradient built from the graph
+        later (a `tf.function` called under an eager tape, where no tape
+        inside watches anything) is exact.
+        """
+        if not self._inner_built() or self.trainable_variables:
+            return True  # unbuilt: its trainable variables are not known yet
+        floats = [v for v in keras.tree.flatten(call) if is_float_tensor(v)]
+        handles = []
+        for variable in state_variables:
+            backing = backing_variable(variable)
+            if not backing.dtype.is_floating:
+                continue
+            try:
+                handles.append(backing.handle)
+            except (AttributeError, ValueError, RuntimeError):
+                return True  # no single handle (a distributed variable outside a replica)
+        return should_record_backprop(floats + handles)
+
+    def _call_without_gradient(
+        self,
+        inputs: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        training: Any,
+        mask: Any,
+        state_variables: list[Any],
+    ) -> Any:
+        """Runs the layers once, unseen by the tapes (NOTE [ Frozen blocks ])."""
+        with stop_recording():
+            values = snapshot(state_variables)
+        with RecordingStatelessScope(list(zip(state_variables, values))) as scope:
+            outputs = self._run_inner(inputs, *args, training=training, mask=mask, **kwargs)
+        for variable in scope.assigned.values():  # nothing replays them: every update applies
+            variable.assign(scope.get_current_value(variable))
+        self._add_losses(scope.losses)
+        self._warn_if_unrecorded(outputs)
+        return outputs
+
+    def _warn_if_unrecorded(self, outputs: Any) -> None:
         floats = [o for o in keras.tree.flatten(outputs) if is_float_tensor(o)]
         if not should_record_backprop(floats):  # else it read a watched tensor it captured
             self._warn_pointless()
-        return outputs
 
     def _may_recompute(
         self, inputs: Any, args: tuple[Any, ...], kwargs: dict[str, Any], training: Any
@@ -559,11 +729,17 @@ class RecomputeBlock(keras.layers.Layer):
         assert forward.scope is not None
         self._commit_state(forward.scope, frame.state_variables)
         outputs, losses = frame.pack()
+        self._add_losses(losses)
+        if not forward.attached:  # the layers it built are frozen: as `_call_without_gradient`
+            self._warn_if_unrecorded(outputs)
+        return outputs
+
+    def _add_losses(self, losses: list[Any]) -> None:
+        """Adds the losses the layers made inside the block's stateless scope."""
         if losses:
             owner = self._loss_owner() if self._loss_owner is not None else self
             for loss in losses:
                 owner.add_loss(loss)
-        return outputs
 
     def _commit_state(self, scope: RecordingStatelessScope, state_variables: list[Any]) -> None:
         """Applies the forward's state updates once; rejects ones it cannot replay."""

@@ -22,10 +22,13 @@ import tensorflow as tf
 
 from tfrecompute._keras_internals import (
     backing_variable,
+    build_as_called,
     call_context,
     device_scope,
+    direct_sublayers,
     get_keras_mask,
     graph_gradients,
+    outside_stateless_scope,
     set_keras_mask,
     should_record_backprop,
     stop_recording,
@@ -34,11 +37,17 @@ from tfrecompute._messages import fail
 from tfrecompute.layers.backward import BlockGradient, Replay
 from tfrecompute.layers.custom_gradient import after, attach_gradient, depend_on
 from tfrecompute.layers.debug import verify_recompute
-from tfrecompute.layers.policy import Policy, Recorder, Replayer, active
+from tfrecompute.layers.policy import Policy, Recorder, Replayer, active, boundary
 from tfrecompute.layers.state import RecordingStatelessScope, snapshot
 from tfrecompute.layers.watch import ForwardWatch, saves_nothing
 
-__all__ = ["Forward", "RecomputeFrame", "in_block_forward", "is_float_tensor"]
+__all__ = [
+    "Forward",
+    "RecomputeFrame",
+    "build_before_call",
+    "in_block_forward",
+    "is_float_tensor",
+]
 
 _local = threading.local()
 
@@ -62,6 +71,19 @@ def _block_forward() -> Iterator[None]:
         _local.depth -= 1
 
 
+def build_before_call(
+    layer: keras.layers.Layer, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """Builds `layer`, about to be called by a block's forward, outside the forward's scope.
+
+    Outside a forward (a plain call of the layers) it does nothing: the layer
+    builds itself in its `__call__`, as it would unwrapped.
+    """
+    builders = getattr(_local, "builders", None)
+    if builders:
+        builders[-1].build_layer(layer, args, kwargs)
+
+
 @dataclasses.dataclass
 class Forward:
     """What the forward run of a frame left.
@@ -75,7 +97,11 @@ class Forward:
         results: the tensors the caller gets for the floating outputs and
             losses (the forward's own, or the same values with the block's
             gradient attached).
-        random_ops: the stateful random ops the forward ran.
+        random_ops: the stateful random ops the forward ran (none are looked
+            for when the block's gradient is not attached: nothing replays them).
+        attached: whether the block's gradient is attached to the results
+            (not when the layers this forward built turn out frozen and no
+            tape watches the block's inputs).
     """
 
     outputs: Any
@@ -83,6 +109,7 @@ class Forward:
     masks: list[Any] | None
     results: list[tf.Tensor]
     random_ops: list[str]
+    attached: bool = True
 
 
 class RecomputeFrame:
@@ -184,6 +211,9 @@ class RecomputeFrame:
         self.variables: list[Any] = []
         self.policy = policy
         self.products: list[Any] = []
+        self._scope: RecordingStatelessScope | None = None  # while the forward runs
+        self._watch: ForwardWatch | None = None
+        self._built_here = False  # whether the forward built a layer
 
     # ------------------------------------------------------------ sources
 
@@ -227,6 +257,7 @@ class RecomputeFrame:
             call_context(self.block, self.training),
             RecordingStatelessScope(mapping) as scope,
         ):
+            self._scope = scope
             outputs = self.block._run_inner(
                 arguments, *args, training=self.training, mask=mask, **kwargs
             )
@@ -248,24 +279,92 @@ class RecomputeFrame:
         recorder = None if self.policy is None else Recorder(self.block.name, self.policy)
         with _block_forward(), tape, ForwardWatch.around() as watch, active(recorder):
             tape.watch(copies)
-            outputs, scope = self.execute(copies)
+            with self._building(watch):
+                outputs, scope = self.execute(copies)
         if recorder is not None and recorder.saved:
             self.products = recorder.entries
         results = self.differentiable(outputs, scope)
         self.captures = watch.captures(known=copies)
         self.variables = self._read_variables(watch)
+        # Layers built by this forward may turn out frozen (NOTE [ Frozen blocks ]).
+        attach = not self._built_here or self._gradient_may_reach()
         kept = None
-        if not self.captures and saves_nothing(watch, results):
+        if attach and not self.captures and saves_nothing(watch, results):
             backing = [backing_variable(v) for v in self.loop_weights]
             kept = self._kept(tape, results, copies + backing + self.variables)
         self.forward = Forward(
             outputs=outputs,
             scope=scope,
             masks=[get_keras_mask(o) for o in keras.tree.flatten(outputs)],
-            results=self._attach(results, watch.direct_parents(results), kept),
-            random_ops=watch.random_ops(),
+            results=self._attach(results, watch.direct_parents(results), kept)
+            if attach
+            else results,
+            random_ops=watch.random_ops() if attach else [],
+            attached=attach,
         )
         return self.forward
+
+    def _gradient_may_reach(self) -> bool:
+        """Whether a gradient may reach the forward: through a tensor it captured, a
+        variable it read that the block does not own, or the block's own sources."""
+        own = {id(backing_variable(v)) for v in self.block.variables}
+        if self.captures or any(id(v) not in own for v in self.variables):
+            return True
+        return bool(self.block._gradient_may_reach(self.call, self.state_variables))
+
+    @contextlib.contextmanager
+    def _building(self, watch: ForwardWatch) -> Iterator[None]:
+        """Makes this frame build the layers its forward calls unbuilt."""
+        builders = getattr(_local, "builders", None)
+        if builders is None:
+            builders = _local.builders = []
+        builders.append(self)
+        self._watch = watch
+        try:
+            yield
+        finally:
+            builders.pop()
+            self._watch = self._scope = None  # the backward needs neither
+
+    def build_layer(
+        self, layer: keras.layers.Layer, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """Builds a layer the forward is about to call for the first time.
+
+        NOTE [ Layers built by the forward ]
+        A layer not built yet creates its variables on its first call. In
+        the forward that call comes inside the frame's stateless scope, where
+        Keras would leave them uninitialized (each read a fresh draw of the
+        initializer). Building the layers beforehand by a symbolic call runs
+        each `call()` once more than unwrapped (Python side effects see it,
+        and a tensor a layer keeps from that call belongs to a graph that is
+        gone: "... is out of scope"). So the forward builds each layer just
+        before calling it, as Keras's `__call__` would (`build()` on the
+        shapes of its real arguments), outside the scope, unseen by the tapes,
+        the forward's watch and the policy recorder. The state variables it
+        creates (statistics, frozen weights) are then replayed like the
+        others: their values as built are read now, the forward's scope maps
+        them, and the recompute reads the same values. Its trainable
+        variables are read as variables, so the watch finds them. A layer
+        whose build leaves sublayers unbuilt (a `build()` that does not build
+        them, or no `build()` at all where tracing fails) is then built by a
+        symbolic call of the layer (see `RecomputeBlock._build_symbolically`).
+        """
+        scope = self._scope
+        assert scope is not None and self._watch is not None
+        known = {id(v) for v in self.state_variables} | set(scope.state_mapping)
+        with outside_stateless_scope(), stop_recording(), self._watch.paused(), boundary():
+            build_as_called(layer, args, kwargs)
+            if not layer.built or any(not sub.built for sub in direct_sublayers(layer)):
+                self.block._build_symbolically(args[0], args[1:], kwargs, layer)
+            created = [v for v in layer.non_trainable_variables if id(v) not in known]
+            values = snapshot(created)
+        for variable, value in zip(created, values):
+            scope.state_mapping[id(variable)] = value
+            scope.initial_values[id(variable)] = value
+        self.state_variables = [*self.state_variables, *created]
+        self.state_values = [*self.state_values, *values]
+        self._built_here = True
 
     def _attach(
         self, results: list[tf.Tensor], parents: list[list[int]], kept: Replay | None

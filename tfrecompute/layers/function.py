@@ -147,6 +147,22 @@ class _FunctionBlock(RecomputeBlock):
         call_args, call_kwargs = inputs
         return self._fn(*call_args, **call_kwargs)
 
+    def _unbuilt(self) -> bool:
+        """Whether a layer the function reaches is not built yet."""
+        holders = self.inner[0].holders
+        return any(isinstance(h, keras.layers.Layer) and not h.built for h in holders)
+
+    def _call(
+        self, inputs: Any, args: tuple[Any, ...], kwargs: dict[str, Any], training: Any, mask: Any
+    ) -> Any:
+        # A block builds the layers it calls just before calling them (NOTE [ Layers built
+        # by the forward ] in frame.py); the layers a function reaches are called by the
+        # function, inside the forward's stateless scope, where Keras would leave their
+        # variables uninitialized. They are built first, by a symbolic call.
+        if self._unbuilt() and self._may_recompute(inputs, args, kwargs, training):
+            self._build_symbolically(inputs, args, kwargs)
+        return super()._call(inputs, args, kwargs, training, mask)
+
     def _may_recompute(
         self, inputs: Any, args: tuple[Any, ...], kwargs: dict[str, Any], training: Any
     ) -> bool:

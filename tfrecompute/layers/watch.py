@@ -121,6 +121,8 @@ class ForwardWatch:
         self.variables: list[Any] = []
         self._graph: tf.Graph | None = None
         self._graph_ops: list[tf.Operation] = []
+        self._paused = 0
+        self._skipped: list[tuple[int, int]] = []  # graph op positions made while paused
 
     @classmethod
     @contextlib.contextmanager
@@ -135,10 +137,27 @@ class ForwardWatch:
                 graph = tf.compat.v1.get_default_graph()
                 known = len(graph.get_operations())
                 yield watch
-                added = graph.get_operations()[known:]
+                added = [
+                    op
+                    for position, op in enumerate(graph.get_operations()[known:], start=known)
+                    if not any(start <= position < end for start, end in watch._skipped)
+                ]
                 watch._graph, watch._graph_ops = graph, added
                 watch.ops = [OpRecord(op.type, tuple(op.inputs), tuple(op.outputs)) for op in added]
             watch.variables = list(watcher.watched_variables())
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """What runs inside is not the forward's (a layer building its variables)."""
+        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+        start = 0 if graph is None else len(graph.get_operations())
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+            if graph is not None:
+                self._skipped.append((start, len(graph.get_operations())))
 
     def _record(
         self,
@@ -149,6 +168,8 @@ class ForwardWatch:
         op_name: str | None = None,
         graph: tf.Graph | None = None,
     ) -> None:
+        if self._paused:
+            return
         if graph is None:  # an eager op, not one built into a function traced meanwhile
             name = op_type.decode() if isinstance(op_type, bytes) else op_type  # fast path: bytes
             self.ops.append(OpRecord(name, tuple(inputs), tuple(outputs)))
