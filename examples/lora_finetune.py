@@ -58,17 +58,21 @@ def main(argv: list[str] | None = None) -> None:
     y = rng.normal(size=(samples, args.sequence, args.hidden)).astype("float32")
     batch = keras.tree.map_structure(lambda a: a[: args.batch_size], x)
 
+    print("building two LoRA backbones and planning one of them", flush=True)
     model, control = build(args), build(args)
     tfrecompute.recompute(model, sample=batch)  # the same model, checkpointed
-    plan = tfrecompute.checkpoints(model).plan
-    recomputed = {i for start, stop in plan.segments for i in range(start, stop)}
-    layers = sum("transformer_layer" in plan.chain.names[i] for i in recomputed)
+    applied = tfrecompute.checkpoints(model)  # what was applied, or why nothing was
+    print(applied.summary().splitlines()[0])
+    segments = applied.plan.segments if applied else ()
+    recomputed = {i for start, stop in segments for i in range(start, stop)}
+    layers = sum("transformer_layer" in applied.plan.chain.names[i] for i in recomputed)
     print(f"{layers} of {args.layers} frozen transformer layers checkpointed")
 
     frozen = [v.numpy() for v in model.non_trainable_weights]
-    for m in (model, control):
+    for m, label in ((model, "checkpointed"), (control, "control")):
+        print(f"training the {label} model {args.steps} steps", flush=True)
         m.compile(optimizer=keras.optimizers.AdamW(1e-3), loss="mse")
-        m.fit(x, y, batch_size=args.batch_size, epochs=1, shuffle=False, verbose=0)
+        m.fit(x, y, batch_size=args.batch_size, epochs=1, shuffle=False, verbose=1)
     moved = max(
         float(np.max(np.abs(v.numpy() - before)))
         for v, before in zip(model.non_trainable_weights, frozen)

@@ -89,8 +89,9 @@ def main(argv: list[str] | None = None) -> None:
             target.assign(source)  # weights, BatchNorm statistics, dropout seeds
 
     for label, model in (("no recompute", plain), ("RecomputeBlock", blocked)):
+        print(f"training {args.epochs} epochs: {label}", flush=True)
         history = model.fit(
-            x, y, batch_size=args.batch_size, epochs=args.epochs, shuffle=False, verbose=0
+            x, y, batch_size=args.batch_size, epochs=args.epochs, shuffle=False, verbose=1
         )
         print(f"{label:<16} loss per epoch: {[round(v, 4) for v in history.history['loss']]}")
     difference = max(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import tfrecompute
 
@@ -60,6 +61,11 @@ def report(model: keras.Model, optimizer: keras.optimizers.Optimizer | None = No
         print(f"          fix: {finding.fix}")
 
 
+def say(text: str, start: float) -> None:
+    """A progress line: what the example does next, and the time since it started."""
+    print(f"[{time.perf_counter() - start:5.0f} s] {text}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -72,6 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--verbose", action="store_true", help="show TensorFlow's start-up logs")
     args = parser.parse_args(argv)
+    start = time.perf_counter()
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(args.samples, args.width)).astype("float32")
@@ -80,11 +87,13 @@ def main(argv: list[str] | None = None) -> None:
     previous = keras.config.dtype_policy()
     keras.config.set_dtype_policy(args.policy)  # before creating any layer
     try:
+        say(f"building a model with three mistakes under {args.policy}", start)
         naive = build(depth=args.depth, width=args.width, fixed=False)
         naive(x[:1])
         # Mistake: an optimizer without loss scaling (matters for float16).
         report(naive, keras.optimizers.Adam())
 
+        say("building it fixed", start)
         model = build(depth=args.depth, width=args.width, fixed=True)
         model(x[:1])
         # Under a mixed_float16 model policy, compile wraps the optimizer in a
@@ -92,7 +101,12 @@ def main(argv: list[str] | None = None) -> None:
         model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
         report(model)
 
-        history = model.fit(x, y, batch_size=args.batch_size, epochs=args.epochs, verbose=0)
+        say(
+            f"training the fixed model {args.epochs} epochs (16-bit matrix products are slow "
+            "on many CPUs: minutes at the default size)",
+            start,
+        )
+        history = model.fit(x, y, batch_size=args.batch_size, epochs=args.epochs, verbose=1)
         print(f"trained {model.name} under {args.policy}: loss {history.history['loss']}")
         if isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
             print(f"loss scale now {float(model.optimizer.dynamic_scale.numpy()):g}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
 
 import tfrecompute
 
@@ -44,6 +45,11 @@ def build(depth: int, width: int, block_size: int | None) -> keras.Model:
     return model
 
 
+def say(text: str, start: float) -> None:
+    """A progress line: what the example does next, and the time since it started."""
+    print(f"[{time.perf_counter() - start:5.0f} s] {text}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--depth", type=int, default=32, help="number of Dense layers")
@@ -52,6 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=4, help="training steps before comparing")
     parser.add_argument("--verbose", action="store_true", help="show TensorFlow's start-up logs")
     args = parser.parse_args(argv)
+    start = time.perf_counter()
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(args.steps * args.batch_size, args.width)).astype("float32")
@@ -62,13 +69,15 @@ def main(argv: list[str] | None = None) -> None:
     blocked = build(args.depth, args.width, block_size)
     for target, source in zip(blocked.variables, plain.variables):
         target.assign(source)  # the same initial weights and dropout seeds
-    for model in (plain, blocked):
-        model.fit(x, y, batch_size=args.batch_size, epochs=1, shuffle=False, verbose=0)
+    for model, label in ((plain, "without"), (blocked, "with")):
+        say(f"training {args.steps} steps {label} recompute", start)
+        model.fit(x, y, batch_size=args.batch_size, epochs=1, shuffle=False, verbose=1)
     difference = max(
         float(np.max(np.abs(a - b))) for a, b in zip(plain.get_weights(), blocked.get_weights())
     )
 
     batch = (x[: args.batch_size], y[: args.batch_size])
+    say("measuring one compiled training step of each (5 steps after a warm-up)", start)
     rows = [
         ("no recompute", tfrecompute.measure_step(plain, *batch, steps=5)),
         (f"RecomputeBlock x{block_size}", tfrecompute.measure_step(blocked, *batch, steps=5)),

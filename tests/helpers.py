@@ -293,8 +293,7 @@ def applied_blocks(model: Any) -> list[Any]:
     """The blocks `tfrecompute.recompute` applied to `model` (none when nothing is)."""
     import tfrecompute
 
-    applied = tfrecompute.checkpoints(model)
-    return [] if applied is None else list(applied.blocks)
+    return list(tfrecompute.checkpoints(model).blocks)
 
 
 def recomputed_blocks(model: Any, run: Callable[[], Any]) -> int:

@@ -92,9 +92,9 @@ def _import_tensorflow_parts() -> dict[str, Any]:
     from tfrecompute.costs.profile import profile
     from tfrecompute.layers import RecomputeBlock
     from tfrecompute.layers.function import checkpoint
-    from tfrecompute.layers.in_place import Checkpoints, checkpoints
+    from tfrecompute.layers.in_place import Checkpoints
     from tfrecompute.rewrite.unwrap import unwrap
-    from tfrecompute.whole_model import plan, recompute
+    from tfrecompute.whole_model import checkpoints, plan, recompute
 
     return {
         "Allocation": Allocation,

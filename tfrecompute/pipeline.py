@@ -37,13 +37,15 @@ from tfrecompute.layers.in_place import Checkpoints
 from tfrecompute.layers.policy import planned_policies
 from tfrecompute.rewrite.apply import apply, block_policies
 from tfrecompute.strategies.headroom import check_headroom
-from tfrecompute.strategies.units import budget_bytes
+from tfrecompute.strategies.units import check_budget
 
-__all__ = ["apply_plan", "chain_of", "check_options"]
+__all__ = ["apply_plan", "chain_of", "check_options", "left_as_it_was", "nothing_applied"]
 
 _chains: weakref.WeakKeyDictionary[Any, dict[Any, weakref.ref[strategies.Chain]]] = (
     weakref.WeakKeyDictionary()
 )
+# Why an entry point left a model without checkpoints (NOTE [ Nothing applied, and why ]).
+_notes: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
 
 def check_options(
@@ -59,7 +61,7 @@ def check_options(
     """Refuses malformed arguments before any tracing: profiling a large model takes seconds."""
     check_model(api, model)
     if budget is not None:
-        budget_bytes(budget, api=api, name="budget")
+        check_budget(budget, api=api, name="budget")
     if headroom is not None:
         check_headroom(api, headroom)
     check_batch_size(api, batch_size)
@@ -92,14 +94,54 @@ def chain_of(
 
 
 def apply_plan(
-    api: str, plan: strategies.Plan, policy: Any = None, *, to: ProfiledModel | None = None
+    api: str,
+    plan: strategies.Plan,
+    policy: Any = None,
+    *,
+    to: ProfiledModel | None = None,
+    note: str | None = None,
 ) -> Checkpoints | None:
     """Checkpoints the model `plan`'s chain was profiled from (or the model of `to`, whose
-    chain has the same links), replacing what it had."""
+    chain has the same links), replacing what it had. A plan that stores everything
+    leaves the model as it was, with `note` saying why (NOTE [ Nothing applied, and why ])."""
     source = plan.chain.source if to is None else to
     assert isinstance(source, ProfiledModel)  # plans of `chain_of` chains carry their calls
     segments = source.call_segments(plan.segments)
-    return apply(source.graph, segments, plan=plan, policies=block_policies(api, plan, policy))
+    applied = apply(source.graph, segments, plan=plan, policies=block_policies(api, plan, policy))
+    left_as_it_was(source.graph.model, None if applied else (note or _stores_everything(api, plan)))
+    return applied
+
+
+def _stores_everything(api: str, plan: strategies.Plan) -> str:
+    peak = strategies.format_size(plan.peak_bytes)
+    return f"{api} applied plan {plan.strategy!r}, which stores everything (predicted {peak})"
+
+
+def left_as_it_was(model: Any, note: str | None) -> None:
+    """NOTE [ Nothing applied, and why ]
+
+    An entry point that leaves a model without checkpoints (a plan that
+    stores everything, `recompute(model, "none")`) records why, so that
+    `tfrecompute.checkpoints(model)` says it instead of returning nothing;
+    whatever applies checkpoints drops the note (`note=None`). Kept weakly by
+    model: notes are text, they hold no model alive.
+    """
+    if note is None:
+        _notes.pop(model, None)
+    else:
+        _notes[model] = note
+
+
+def nothing_applied(model: Any) -> str:
+    """Why `model` has no checkpoints (NOTE [ Nothing applied, and why ])."""
+    try:
+        note = _notes.get(model)
+    except TypeError:  # not a model (no weak reference to it)
+        note = None
+    return note or (
+        "no tfrecompute entry point checkpointed this model (one loaded from a file is the "
+        "model without checkpointing): call tfrecompute.recompute(model, ...)"
+    )
 
 
 def _key(model: Any, sample: Any, batch_size: Any, *options: Any) -> Any:

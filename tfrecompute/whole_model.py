@@ -8,9 +8,10 @@ chain's `source`, so `recompute(model, plan)` does not profile again.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import keras
 
@@ -22,16 +23,35 @@ from tfrecompute.costs.profile import ProfiledModel, profiled_model
 from tfrecompute.graph.trace import check_batch_size, check_model
 from tfrecompute.layers.attention import attention_layers, checkpoint_attention
 from tfrecompute.layers.in_place import Checkpoints, record, remove
-from tfrecompute.pipeline import apply_plan, chain_of, check_options
+from tfrecompute.layers.in_place import checkpoints as applied_checkpoints
+from tfrecompute.pipeline import (
+    apply_plan,
+    chain_of,
+    check_options,
+    left_as_it_was,
+    nothing_applied,
+)
+from tfrecompute.strategies.headroom import headroom_of
+from tfrecompute.strategies.plan import chain_budget
+from tfrecompute.strategies.units import format_budget
 
-__all__ = ["plan", "recompute"]
+__all__ = ["checkpoints", "plan", "recompute"]
 
 StrategyLike = str | Callable[..., strategies.Plan] | strategies.Plan
 
 
-def _resolve_plan(api: str, model: keras.Model, strategy: Any, options: dict[str, Any]) -> tuple[
-    strategies.Plan, ProfiledModel
-]:  # fmt: skip
+class _Resolved(NamedTuple):
+    """A plan to apply, the profile of the model's calls it refers to, and the warning
+    already given about it storing everything (None if none was)."""
+
+    plan: strategies.Plan
+    profiled: ProfiledModel
+    said: str | None = None
+
+
+def _resolve_plan(
+    api: str, model: keras.Model, strategy: Any, options: dict[str, Any]
+) -> _Resolved:
     """The plan to apply, and the profile of the model's calls it refers to."""
     budget, batch_size, sample = options["budget"], options["batch_size"], options["sample"]
     if budget is not None and batch_size is None and sample is None:
@@ -46,7 +66,7 @@ def _resolve_plan(api: str, model: keras.Model, strategy: Any, options: dict[str
                     options[name],
                     "Pass either a Plan or a strategy name with a budget",
                 )
-        return strategy, _profile_of_plan(api, model, strategy, sample, batch_size)
+        return _Resolved(strategy, _profile_of_plan(api, model, strategy, sample, batch_size))
     chosen = (
         _default_strategy(options["where"])
         if strategy is None
@@ -65,12 +85,12 @@ def _resolve_plan(api: str, model: keras.Model, strategy: Any, options: dict[str
     )
     made = strategies.plan_within(api, chosen, chain, budget, options["headroom"])
     alone = strategy is None and budget is None and options["where"] is None
-    made = _worth_its_recompute(
+    made, said = _worth_its_recompute(
         api, made, named=strategy is not None, budgeted=budget is not None, fall_back=alone
     )
     profiled = profiled_model(made.chain, model)
     assert profiled is not None  # strategies plan the chain they are given
-    return made, profiled
+    return _Resolved(made, profiled, said)
 
 
 def _check_before_profiling(api: str, model: Any, options: dict[str, Any]) -> None:
@@ -139,7 +159,7 @@ recompute ])."""
 
 def _worth_its_recompute(
     api: str, plan: strategies.Plan, *, named: bool, budgeted: bool, fall_back: bool
-) -> strategies.Plan:
+) -> tuple[strategies.Plan, str | None]:
     """NOTE [ A plan worth its recompute ]
 
     A plan is returned with a warning when its predicted peak is not below
@@ -156,42 +176,46 @@ def _worth_its_recompute(
     when it saves something (`verify=True` measures it). A named strategy
     (`sqrt`, `uniform`) cuts by link count, not by bytes, so on a short
     chain of wide layers its segments can hold the largest activations
-    anyway; its plan is kept, with the warning.
+    anyway; its plan is kept, with the warning. Returned with the plan: the
+    warning given when the plan stores everything (`recompute` then says
+    nothing more), else None.
     """
     chain = plan.chain
     stored = strategies.none(chain).peak_bytes
     thin = stored - plan.peak_bytes < MIN_SAVING * stored
     if not thin or (named and not plan.segments):
-        return plan
+        return plan, None
     least = strategies.min_peak(chain)
+    said = None
     if named:
         _warn_named(api, plan, stored, least)
     elif least >= stored:
         largest = max(range(chain.n), key=lambda i: chain.saved_bytes[i])
         share = chain.saved_bytes[largest] / max(sum(chain.saved_bytes), 1)
-        warnings.warn(
+        said = (
             f"{api}: no plan lowers this model's predicted peak below storing everything "
-            f"({strategies.format_size(stored)}). Link {chain.names[largest]!r} keeps "
-            f"{share:.0%} of the saved activations and cannot be split or recomputed here. "
-            "Look into it with depth= (or where= to pick its sub-layers), or leave the model "
-            "as it is.",
-            stacklevel=4,
+            f"({strategies.format_size(stored)}), so nothing is recomputed. Link "
+            f"{chain.names[largest]!r} keeps {share:.0%} of the saved activations and cannot "
+            "be split or recomputed here. Look into it with depth= (or where= to pick its "
+            "sub-layers), or leave the model as it is."
         )
     elif plan.segments and not budgeted:
         saving = 1 - plan.peak_bytes / stored
         kept = "nothing is recomputed" if fall_back else "its plan recomputes anyway"
-        warnings.warn(
+        said = (
             f"{api}: the least peak a plan reaches, {strategies.format_size(plan.peak_bytes)}, "
             f"is only {saving:.0%} below storing everything "
             f"({strategies.format_size(stored)}), less than measured peaks vary "
             f"({MIN_SAVING:.0%}), so {kept}. Most of this step is weights, their "
             "gradients and the optimizer's updates, not activations: a larger batch leaves "
-            "more to save. Pass budget= to plan to a budget anyway.",
-            stacklevel=4,
+            f"more to save. Pass budget= to plan to a budget anyway, e.g. "
+            f"{_share_hint(chain, stored)}."
         )
         if fall_back:
-            return strategies.none(chain)
-    return plan
+            plan = strategies.none(chain)
+    if said is not None:
+        warnings.warn(said, stacklevel=4)
+    return plan, (said if not plan.segments else None)
 
 
 def _warn_named(api: str, plan: strategies.Plan, stored: int, least: int) -> None:
@@ -237,6 +261,7 @@ def _attention_only(api: str, model: keras.Model) -> keras.Model:
     remove(model)
     blocks = tuple(checkpoint_attention(layer) for layer in found)
     record(model, Checkpoints(None, None, blocks, tuple(found)))
+    left_as_it_was(model, None)
     return model
 
 
@@ -293,8 +318,11 @@ _SHARED_ARGS = """
             budget, else the least peak at the least recompute; with `where`
             and no budget, every selected call its own block.
         budget: the most memory the step may use, as the allocator counts it
-            (`measure_step`), in bytes or as a string like `"2GiB"`; needs
-            `batch_size` or `sample`.
+            (`measure_step`), in bytes or as a string like `"2GiB"`, or as a
+            share of the predicted peak of storing everything: `0.5` (or
+            `"50%"`) plans to half of it, in bytes once the model is profiled
+            (NOTE [ A budget as a share of storing everything ] in
+            `tfrecompute.strategies.units`); needs `batch_size` or `sample`.
         batch_size: the training batch size; by default the sample's.
         sample: one batch as the model is called with (an array, a list or
             dict of arrays, or `(x, y)` as passed to `fit`): fixes unknown
@@ -303,8 +331,9 @@ _SHARED_ARGS = """
             dtypes are read.
         headroom: the share of `budget` left for the allocator's rounding of
             chunks: the predicted peak stays under `budget * (1 - headroom)`
-            (default `strategies.DEFAULT_HEADROOM`, 0.3; 0 plans to the
-            budget itself). Only with a budget.
+            (default `strategies.DEFAULT_HEADROOM`, 0.3, and 0 for a share
+            of storing everything; 0 plans to the budget itself). Only with
+            a budget.
         depth: how many levels of nested calls to look into below the
             model's own (None: as deep as they can be checkpointed; 0: the
             model's own calls only).
@@ -318,7 +347,7 @@ def plan(
     model: keras.Model,
     strategy: StrategyLike | None = None,
     *,
-    budget: int | str | None = None,
+    budget: int | float | str | None = None,
     batch_size: int | None = None,
     sample: Any = None,
     headroom: float | None = None,
@@ -359,15 +388,14 @@ def plan(
         "policy": policy,
     }
     _check_before_profiling("plan", model, options)
-    chosen, _ = _resolve_plan("plan", model, strategy, options)
-    return chosen
+    return _resolve_plan("plan", model, strategy, options).plan
 
 
 def recompute(
     model: keras.Model,
     strategy: StrategyLike | None = None,
     *,
-    budget: int | str | None = None,
+    budget: int | float | str | None = None,
     batch_size: int | None = None,
     sample: Any = None,
     headroom: float | None = None,
@@ -400,7 +428,11 @@ def recompute(
     Calling `recompute` again replaces what the previous call applied;
     `recompute(model, "none")` turns checkpointing off, and
     `tfrecompute.checkpoints(model)` tells what is applied (the plan and
-    its blocks). A model loaded from a file is the model without
+    its blocks), or why nothing is. When the plan stores everything (the
+    budget holds the predicted peak of storing everything, or no plan
+    saves enough), the model is left without checkpoints and a warning
+    line says why and what would change it (NOTE [ A model left storing
+    everything says so ]). A model loaded from a file is the model without
     checkpointing: call `recompute` on it again (with the same plan, or the
     same arguments). `fit`, `evaluate` and `predict` trace the model's call
     again after each change.
@@ -457,12 +489,109 @@ def recompute(
     if strategy == "none" and all(value is None for value in options.values()) and not verify:
         check_model("recompute", model)
         remove(model)  # storing everything: nothing to plan
+        left_as_it_was(model, "recompute(model, 'none') turned checkpointing off")
         return model
     if as_bool("recompute", "verify", verify):
-        return _verified("recompute", model, strategy, options).model
-    chosen, profiled = _resolve_plan("recompute", model, strategy, options)
-    apply_plan("recompute", chosen, policy, to=profiled)
+        verified = _verified("recompute", model, strategy, options)
+        if not verified.plan.segments:
+            note = _say_stored("recompute", verified.plan, strategy, options, measured=verified)
+            left_as_it_was(model, note)
+        return model
+    resolved = _resolve_plan("recompute", model, strategy, options)
+    note = resolved.said
+    if note is None and not resolved.plan.segments:
+        note = _say_stored("recompute", resolved.plan, strategy, options)
+    apply_plan("recompute", resolved.plan, policy, to=resolved.profiled, note=note)
     return model
+
+
+def _say_stored(
+    api: str,
+    plan: strategies.Plan,
+    strategy: Any,
+    options: dict[str, Any],
+    *,
+    measured: VerifiedPlan | None = None,
+) -> str:
+    """NOTE [ A model left storing everything says so ]
+
+    When `recompute` leaves a model storing every activation, one warning
+    line says so, why, and what would change it, unless the user asked for
+    it (`strategy="none"`, or a Plan of it) or a warning of the plan already
+    said so; `checkpoints(model)` then tells the same. Returns the line.
+    """
+    if plan.strategy == "none":  # asked for: the user knows
+        return "strategy 'none' stores everything, as asked"
+    stored = strategies.none(plan.chain).peak_bytes
+    fmt = strategies.format_size
+    budget, headroom = options["budget"], options["headroom"]
+    if measured is not None:
+        why = (
+            f"the measured step of plan {plan.strategy!r}, {fmt(measured.peak_bytes)}, fits the "
+            f"budget {format_budget(budget, measured.budget_bytes)}"
+        )
+        fix = f"Pass a lower budget to save memory, e.g. {_share_hint(plan.chain, stored)}"
+    elif budget is not None:
+        total = chain_budget(api, plan.chain, budget)
+        share = headroom_of(api, budget, headroom)
+        why = (
+            f"the budget {format_budget(budget, total)}, less {float(share):.0%} headroom, holds "
+            f"the predicted peak of storing everything, {fmt(stored)}"
+        )
+        below = fmt(math.ceil(stored / (1 - share)))  # the least that stores everything
+        fix = (
+            f"To save memory pass a budget below {below}, e.g. "
+            f"{_share_hint(plan.chain, stored)}, or strategy='sqrt' to recompute without a budget"
+        )
+    else:
+        given = "the plan passed" if isinstance(strategy, strategies.Plan) else "strategy"
+        why = (
+            f"{given} {plan.strategy!r} recomputes no segment of this model's {plan.chain.n} links"
+        )
+        fix = (
+            f"Pass a budget below the predicted peak of storing everything, {fmt(stored)}, e.g. "
+            f"{_share_hint(plan.chain, stored)}, or depth= to look into nested layers"
+        )
+    note = f"nothing is recomputed, so the model stores everything: {why}. {fix}."
+    warnings.warn(f"{api}: {note}", stacklevel=3)
+    return note
+
+
+def _share_hint(chain: strategies.Chain, stored: int) -> str:
+    """A share of storing everything a plan can meet: halfway from the least peak any plan
+    reaches to storing everything, e.g. `budget=0.87 (the least peak is 73% of it)`."""
+    least = strategies.min_peak(chain) / max(stored, 1)
+    share = min(math.ceil((least + 1) / 2 * 100) / 100, 1.0)
+    return f"budget={share:g} (the least peak a plan reaches is {least:.0%} of storing everything)"
+
+
+def checkpoints(model: Any) -> Checkpoints:
+    """What tfrecompute applied to `model` and is in force, or why nothing is.
+
+    `recompute`, `verified_plan` and `max_batch_size` checkpoint a model in
+    place; this tells what they applied: the plan, its blocks, the layers
+    whose call changed. A model they left storing everything, one never
+    checkpointed, and one loaded from a file get a record of nothing applied
+    (`applied` False, `bool(record)` False, `plan` None) whose `note` and
+    `summary()` say why.
+
+    Args:
+        model: a Keras model.
+
+    Returns:
+        A `Checkpoints`.
+
+    Example:
+
+    ```python
+    tfrecompute.recompute(model, budget=0.5, batch_size=64)
+    print(tfrecompute.checkpoints(model).summary())
+    ```
+    """
+    applied = applied_checkpoints(model)
+    if applied is not None:
+        return applied
+    return Checkpoints(None, None, (), (), note=nothing_applied(model))
 
 
 plan.__doc__ = (plan.__doc__ or "").replace("{shared}", _SHARED_ARGS.rstrip() + "\n")

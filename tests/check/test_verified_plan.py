@@ -176,7 +176,7 @@ def test_a_verified_plan_refuses_a_subclassed_model():
     model.compile(optimizer="sgd", loss="mse")
     with pytest.raises(ValueError, match=r"verified_plan: a verified plan measures the compiled"):
         tfrecompute.verified_plan(model, sample, budget="1GiB")
-    assert tfrecompute.checkpoints(model) is None
+    assert not tfrecompute.checkpoints(model)
 
 
 def test_a_verified_plan_replaces_calls_checkpointed_in_place_as_it_re_plans():

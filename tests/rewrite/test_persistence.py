@@ -285,7 +285,7 @@ def test_the_keras_file_loads_and_training_resumes_as_without_checkpointing(case
         loaded_control = keras.models.load_model(tmp_path / "control.keras")
     assert type(loaded) is type(case.model)
     if case.recomputed:  # the file is the model as defined: checkpoint it again
-        assert tfrecompute.checkpoints(loaded) is None
+        assert not tfrecompute.checkpoints(loaded)
         assert not any(isinstance(layer, RecomputeBlock) for layer in loaded._flatten_layers())
         case.again(loaded)
     _assert_checkpointed(case, loaded)

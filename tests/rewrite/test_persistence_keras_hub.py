@@ -150,7 +150,7 @@ def test_the_keras_file_loads_and_training_resumes_as_without_checkpointing(name
     control.save(tmp_path / "control.keras")
     loaded = keras.models.load_model(tmp_path / "model.keras")
     loaded_control = keras.models.load_model(tmp_path / "control.keras")
-    assert type(loaded) is type(model) and tfrecompute.checkpoints(loaded) is None
+    assert type(loaded) is type(model) and not tfrecompute.checkpoints(loaded)
     _same_dropout_streams(loaded, loaded_control)
     _checkpoint(name, loaded, x)
     for m in (loaded, loaded_control):

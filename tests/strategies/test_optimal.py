@@ -169,7 +169,8 @@ def test_infeasible_budget_message() -> None:
             r"budget=-3 \(of type int\)",
         ),
         ({"budget": "lots"}, ValueError, r"^optimal: the budget string is not a number"),
-        ({"budget": 2.5}, TypeError, r"^optimal: a budget must be an int of bytes or a string"),
+        ({"budget": 2.5}, ValueError, r"^optimal: a float budget is a share of storing every"),
+        ({"budget": b"1"}, TypeError, r"^optimal: a budget must be a number or a"),
         (
             {"max_work": 0},
             ValueError,

@@ -61,8 +61,10 @@ def test_fixed_strategies_raise_when_their_plan_exceeds_the_budget() -> None:
     assert (info.value.budget, info.value.minimum) == (600, 800)
     with pytest.raises(InfeasibleBudgetError, match=r"^uniform:1: the plan's predicted peak"):
         uniform(1)(chain, 750)
-    with pytest.raises(TypeError, match=r"^none: a budget must be an int of bytes or a string"):
-        none(chain, 1.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^none: a float budget is a share of storing every"):
+        none(chain, 1.5)
+    with pytest.raises(TypeError, match=r"^none: a budget must be a number or a string"):
+        none(chain, [1])  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

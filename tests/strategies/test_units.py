@@ -64,11 +64,16 @@ def test_units_scale_exactly(number: int, unit: str) -> None:
         (
             True,
             TypeError,
-            r"parse_budget: a budget must be an int of bytes or a string\. "
-            r"Received: value=True \(of type bool\)\. Pass a positive int of bytes or a string "
+            r"parse_budget: a budget must be a number or a string\. "
+            r"Received: value=True \(of type bool\)\. Pass a positive int of bytes, a string "
             r"such as \"512MiB\"",
         ),
-        (1.5e9, TypeError, r"Received: value=1500000000\.0 \(of type float\)"),
+        (
+            1.5,
+            ValueError,
+            r"parse_budget: a float budget is a share of storing everything in \(0, 1\] or a "
+            r"whole number of bytes\. Received: value=1\.5 \(of type float\)",
+        ),
         (None, TypeError, r"Received: value=None \(of type NoneType\)"),
         (
             0,

@@ -329,12 +329,12 @@ def test_an_entry_point_checkpoints_the_model_or_refuses_it_up_front(cases, kind
     if (kind, entry) in LEFT_AS_IT_WAS:
         with pytest.warns(UserWarning, match=LEFT_AS_IT_WAS[(kind, entry)]):
             ENTRY_POINTS[entry](case)
-        assert tfrecompute.checkpoints(case.model) is None
+        assert not tfrecompute.checkpoints(case.model)
     elif expected is not None:
         error, match = expected
         with pytest.raises(error, match=match):
             ENTRY_POINTS[entry](case)
-        assert tfrecompute.checkpoints(case.model) is None  # nothing left applied
+        assert not tfrecompute.checkpoints(case.model)  # nothing left applied
     else:
         ENTRY_POINTS[entry](case)
         applied = tfrecompute.checkpoints(case.model)
@@ -396,7 +396,7 @@ def test_max_batch_on_the_command_line_probes_a_sequential_model_in_its_own_proc
     code = main(["max-batch", path, "--budget", "256MiB", "--multiple", "64", "--limit", "64"])
     out, err = capsys.readouterr()
     assert code == 0, err
-    assert "Largest batch size" in out and "64" in out, out
+    assert "the search stopped at its --limit 64, so 64 is the largest tried" in out, out
 
 
 def test_dir_of_a_model_is_the_same_after_recompute():
@@ -414,7 +414,7 @@ def test_dir_of_a_model_is_the_same_after_recompute():
         for layer in model._flatten_layers():
             assert not [name for name in dir(layer) if "tfrecompute" in name], layer.name
         tfrecompute.recompute(model, "none")
-        assert tfrecompute.checkpoints(model) is None
+        assert not tfrecompute.checkpoints(model)
         assert "call" not in vars(model)
 
 

@@ -123,7 +123,7 @@ def test_generous_budget_recomputes_nothing(real):
     assert plan.segments == ()
     # With the default headroom of 0.3, a budget of twice that plans in 1.4x of it.
     tfrecompute.recompute(model, "optimal", budget=2 * none_peak, batch_size=BATCH)
-    assert tfrecompute.checkpoints(model) is None
+    assert not tfrecompute.checkpoints(model)
 
 
 @pytest.mark.parametrize("name", MEASURED)

@@ -163,7 +163,7 @@ def test_a_strategy_callable_plans_the_rewrite():
 def test_none_strategy_recomputes_nothing():
     model = _mlp(depth=3)
     assert tfrecompute.recompute(model, "none") is model
-    assert _blocks(model) == [] and tfrecompute.checkpoints(model) is None
+    assert _blocks(model) == [] and not tfrecompute.checkpoints(model)
 
 
 def test_recompute_again_replaces_and_none_turns_it_off():
@@ -181,7 +181,7 @@ def test_recompute_again_replaces_and_none_turns_it_off():
     assert len(_blocks(model)) == 3
     np.testing.assert_allclose(model(x), want, atol=1e-6)
     tfrecompute.recompute(model, "none")
-    assert tfrecompute.checkpoints(model) is None and "call" not in vars(model)
+    assert not tfrecompute.checkpoints(model) and "call" not in vars(model)
     np.testing.assert_allclose(model(x), want, atol=1e-6)
 
 
@@ -536,7 +536,7 @@ def test_a_plan_for_another_model_object_is_matched_by_profiling_it(profiles):
     plan = tfrecompute.plan(model, "sqrt")
     assert tfrecompute.recompute(twin, plan) is twin
     assert profiles["profiles"] == 2
-    assert tfrecompute.checkpoints(model) is None  # only the twin is checkpointed
+    assert not tfrecompute.checkpoints(model)  # only the twin is checkpointed
     assert {id(v) for v in _runtime(twin).trainable_variables} == {
         id(v) for v in twin.trainable_variables
     }

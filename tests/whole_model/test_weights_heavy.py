@@ -33,7 +33,7 @@ def _resnet(batch: int):
 
 def _applied(model) -> tuple:
     applied = tfrecompute.checkpoints(model)
-    return () if applied is None or applied.plan is None else applied.plan.segments
+    return () if applied.plan is None else applied.plan.segments
 
 
 def test_a_small_batch_resnet_is_left_as_it_is_and_says_why():

@@ -19,11 +19,14 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import logging
 import os
 import pickle
 import subprocess
 import sys
 import tempfile
+import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +37,7 @@ from tfrecompute import strategies
 from tfrecompute._messages import as_bool, as_positive_int, fail
 from tfrecompute.check.verified_plan import labelled, planner, verify
 from tfrecompute.errors import InfeasibleBudgetError
-from tfrecompute.strategies.units import budget_bytes
+from tfrecompute.strategies.units import budget_bytes, budget_share
 
 __all__ = ["BatchProbe", "MaxBatch", "max_batch_size", "probe_batch", "repeated"]
 
@@ -69,6 +72,7 @@ class MaxBatch:
         peak_bytes: its measured peak.
         budget_bytes: the budget.
         probes: every batch size tried, in order.
+        limit: the largest batch size the search would try.
     """
 
     batch_size: int
@@ -77,6 +81,31 @@ class MaxBatch:
     peak_bytes: int
     budget_bytes: int
     probes: tuple[BatchProbe, ...]
+    limit: int = 65536
+
+    @property
+    def at_limit(self) -> bool:
+        """True when every batch size tried fitted: the search stopped at `limit`, not at a
+        batch size that does not fit, and a larger batch may fit too."""
+        return all(p.fits for p in self.probes)
+
+    def summary(self) -> str:
+        """One line: the batch size found, its measured peak, and whether the limit ended it."""
+        fmt = strategies.format_bytes
+        line = (
+            f"Largest batch size that fits: {self.batch_size} (measured {fmt(self.peak_bytes)}, "
+            f"{self.peak_bytes / max(self.budget_bytes, 1):.0%} of the budget "
+            f"{fmt(self.budget_bytes)}; {len(self.probes)} batch sizes measured)"
+        )
+        if self.at_limit:
+            line = (
+                f"Every batch size tried fits: the search stopped at its limit, {self.limit}, "
+                f"so {self.batch_size} is the largest tried, not the largest that fits "
+                f"(measured {fmt(self.peak_bytes)}, "
+                f"{self.peak_bytes / max(self.budget_bytes, 1):.0%} of the budget "
+                f"{fmt(self.budget_bytes)}). Pass a larger limit to search further"
+            )
+        return line
 
 
 def repeated(sample: Any, batch_size: int) -> Any:
@@ -219,6 +248,82 @@ def _search(probe: Callable[[int], BatchProbe], multiple: int, limit: int) -> li
     return probes
 
 
+_logger = logging.getLogger(__name__)
+
+
+def _show(line: str) -> None:
+    """A progress line, where Keras writes its own (`fit`'s progress bar): standard output,
+    or the log when `keras.config.disable_interactive_logging()` was called."""
+    if keras.config.is_interactive_logging_enabled():
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+    else:
+        _logger.info(line)
+
+
+class _ProgressLines:
+    """`max_batch_size`'s default progress: what it searches, then one line per probe."""
+
+    def __init__(self, total: int, multiple: int, limit: int, isolate: bool) -> None:
+        self.total, self.count, self.start = total, 0, time.perf_counter()
+        where = "each in a fresh process" if isolate else "in this process"
+        _show(
+            f"max_batch_size: trying batch sizes {multiple}, {2 * multiple}, {4 * multiple}, "
+            f"... up to limit={limit} until one does not fit, then bisecting; each probe "
+            f"plans and measures train steps, {where} (progress=False: quiet)"
+        )
+
+    def __call__(self, probe: BatchProbe) -> None:
+        self.count += 1
+        fmt = strategies.format_bytes
+        if probe.fits:
+            verdict = f"fits: measured {fmt(probe.peak_bytes)}"
+        elif probe.peak_bytes:
+            verdict = f"does not fit: measured at least {fmt(probe.peak_bytes)}"
+        else:
+            verdict = "does not fit: no plan is predicted to fit"
+        share = f" ({probe.peak_bytes / self.total:.0%} of the budget)" if probe.peak_bytes else ""
+        elapsed = time.perf_counter() - self.start
+        _show(
+            f"Probe {self.count}: batch size {probe.batch_size} {verdict}{share} - {elapsed:.0f}s"
+        )
+
+
+def _progress(
+    progress: Any, total: int, multiple: int, limit: int, isolate: bool
+) -> Callable[[BatchProbe], None] | None:
+    """The function each probe is reported to (None: quiet)."""
+    if progress is None or progress is False:
+        return None
+    if progress is True:
+        return _ProgressLines(total, multiple, limit, isolate)
+    if not callable(progress):
+        fail(
+            "max_batch_size",
+            "`progress` must be a bool or a function of a BatchProbe",
+            "progress",
+            progress,
+            "Pass progress=True (a line per probe), False (quiet) or a function",
+            error=TypeError,
+        )
+    return progress
+
+
+def _bytes_budget(budget: Any) -> int:
+    """The budget in bytes: a share of storing everything is refused, the batch size is
+    what the search changes."""
+    if budget_share(budget, api="max_batch_size", name="budget") is not None:
+        fail(
+            "max_batch_size",
+            "a budget as a share of storing everything changes with the batch size, which "
+            "this searches",
+            "budget",
+            budget,
+            'Pass the budget in bytes, e.g. budget="8GiB"',
+        )
+    return budget_bytes(budget, api="max_batch_size", name="budget")
+
+
 def max_batch_size(
     model: keras.Model,
     sample: Any,
@@ -231,7 +336,7 @@ def max_batch_size(
     where: Any = None,
     policy: Any = None,
     isolate: bool = True,
-    progress: Callable[[BatchProbe], None] | None = None,
+    progress: bool | Callable[[BatchProbe], None] = True,
 ) -> MaxBatch:
     """The largest batch size whose measured train step fits `budget`, with its plan.
 
@@ -246,21 +351,26 @@ def max_batch_size(
     temporary `.keras` file, which needs it to be saveable and its custom
     layers registered (`keras.saving.register_keras_serializable`) and
     importable in a new process. `strategy="none"` gives the baseline of
-    storing everything.
+    storing everything. When every batch size tried fits, the search
+    stopped at `limit`: a warning says so, and `MaxBatch.at_limit` is True.
 
     Args:
         model: a built, compiled Keras model.
         sample: `(x, y)`: a few training rows with labels, repeated to each
             probed batch size.
         budget: the most memory the step may add, as `measure_step` counts
-            it, in bytes or as a string like `"512MiB"`.
+            it, in bytes or as a string like `"512MiB"` (a share of storing
+            everything is refused: it changes with the batch size).
         strategy: a strategy name, `"optimal"` by default.
         multiple: batch sizes tried are multiples of it.
-        limit: the largest batch size tried.
+        limit: the largest batch size tried (every probe takes seconds to
+            a minute: about `2 * log2(limit / multiple)` probes at most).
         depth, where, policy: as for `recompute` (`where` as layer names and
             `policy` as a name when isolated).
         isolate: probe in fresh processes (True) or in this one (False).
-        progress: called with each `BatchProbe` as it is measured.
+        progress: True (the default): a line on standard output when the
+            search starts and one per probe as it is measured; False: quiet;
+            a function: called with each `BatchProbe` instead.
 
     Returns:
         A `MaxBatch`: the batch size, its plan, the model (checkpointed by
@@ -287,23 +397,32 @@ def max_batch_size(
     labelled(api, sample)
     multiple = as_positive_int(api, "multiple", multiple, example="multiple=8")
     limit = as_positive_int(api, "limit", limit, example="limit=4096")
-    total = budget_bytes(budget, api=api, name="budget")
+    total = _bytes_budget(budget)
     options = _options(strategy, total, depth, where, policy, as_bool(api, "isolate", isolate))
+    report = _progress(progress, total, multiple, limit, isolate)
     planner(
         api, model, repeated(sample, multiple), strategy, depth=depth, where=where, policy=policy
     )
 
     def probe(batch_size: int) -> BatchProbe:
         found = run(batch_size)
-        if progress is not None:
-            progress(found)
+        if report is not None:
+            report(found)
         return found
 
     with tempfile.TemporaryDirectory(prefix="tfrecompute-max-batch-") as folder:
         isolated = _Isolated(model, sample, options, folder) if isolate else None
         run = isolated or (lambda b: probe_batch(model, sample, b, options))
         probes = _search(probe, multiple, limit)
-    return _found(model, sample, probes, options, total)
+    found = _found(model, sample, probes, options, total, limit)
+    if found.at_limit:
+        warnings.warn(
+            f"max_batch_size: every batch size tried fits, so the search stopped at its limit "
+            f"({limit}): {found.batch_size} is the largest tried, not the largest that fits. "
+            f"Received: limit={limit} (of type int). Pass a larger limit to search further.",
+            stacklevel=2,
+        )
+    return found
 
 
 def _found(
@@ -312,6 +431,7 @@ def _found(
     probes: list[BatchProbe],
     options: dict[str, Any],
     total: int,
+    limit: int,
 ) -> MaxBatch:
     """The largest fitting probe's plan applied to `model`; an error if none fitted."""
     fitting = [p for p in probes if p.fits]
@@ -346,4 +466,4 @@ def _found(
         else strategies.none(made.chain)
     )
     made.apply(plan)
-    return MaxBatch(best.batch_size, plan, model, best.peak_bytes, total, tuple(probes))
+    return MaxBatch(best.batch_size, plan, model, best.peak_bytes, total, tuple(probes), limit)

@@ -42,7 +42,8 @@ from tfrecompute.errors import InfeasibleBudgetError
 from tfrecompute.graph.layer_graph import declared_input, declared_output
 from tfrecompute.layers.in_place import Checkpoints, restored_on_error
 from tfrecompute.pipeline import apply_plan, chain_of, check_options
-from tfrecompute.strategies.units import budget_bytes
+from tfrecompute.strategies.plan import chain_budget
+from tfrecompute.strategies.units import check_budget, format_budget
 
 __all__ = ["Probe", "VerifiedPlan", "labelled", "planner", "verified_plan", "verify"]
 
@@ -227,7 +228,7 @@ def verify(
     planner: _Planner, budget: Any, *, progress: Callable[[Probe], None] | None = None
 ) -> VerifiedPlan:
     """NOTE [ Re-planning with the measured correction ] for a profiled model."""
-    total = budget_bytes(budget, api=planner.api, name="budget")
+    total = chain_budget(planner.api, planner.chain, budget)
     with restored_on_error(planner.model):
         return _verify(planner, total, budget, progress)
 
@@ -235,7 +236,7 @@ def verify(
 def _verify(
     planner: _Planner, total: int, budget: Any, progress: Callable[[Probe], None] | None
 ) -> VerifiedPlan:
-    planned, first = _first_plan(planner, total)
+    planned, first = _first_plan(planner, total, budget)
     plan: strategies.Plan | None = first
     measured: dict[tuple[tuple[int, int], ...], Probe] = {}
     plans: dict[tuple[tuple[int, int], ...], strategies.Plan] = {}
@@ -260,13 +261,14 @@ def _verify(
     return VerifiedPlan(chosen, planner.model, measured[best].measured_bytes, total, tuple(probes))
 
 
-def _first_plan(planner: _Planner, total: int) -> tuple[int, strategies.Plan]:
+def _first_plan(planner: _Planner, total: int, budget: Any) -> tuple[int, strategies.Plan]:
     """The first plan: under the default headroom, or as low as plans go when that is
     infeasible. Predictions can exceed the measured peak, so the least-peak plan is
     measured even when predicted up to `OVER` times the budget; beyond that
     `InfeasibleBudgetError` is raised."""
     try:
-        within = strategies.plan_within(planner.api, planner.strategy, planner.chain, total, 0)
+        # `budget` as given (its bytes are `total`), for the error to quote it
+        within = strategies.plan_within(planner.api, planner.strategy, planner.chain, budget, 0)
     except InfeasibleBudgetError as error:
         if error.minimum > OVER * total:
             raise
@@ -292,7 +294,7 @@ def _none_fits(api: str, budget: Any, total: int, probes: list[Probe]) -> None:
     needed = math.ceil(least.measured_bytes / (1 - MARGIN))
     fmt = strategies.format_size
     raise InfeasibleBudgetError(
-        f"{api}: no measured train step fits the budget {fmt(total)} (less "
+        f"{api}: no measured train step fits the budget {format_budget(budget, total)} (less "
         f"{MARGIN:.0%} for the allocator's variation between steps): the least of "
         f"{len(probes)} measured plans took {fmt(least.measured_bytes)} (predicted "
         f"{fmt(least.predicted_bytes)}). Received: budget={budget!r} (of type "
@@ -307,7 +309,7 @@ def verified_plan(
     model: keras.Model,
     sample: Any,
     *,
-    budget: int | str,
+    budget: int | float | str,
     strategy: Any = "optimal",
     depth: int | None = None,
     where: Any = None,
@@ -333,7 +335,9 @@ def verified_plan(
         sample: `(x, y)` (or `(x, y, sample_weight)`): one training batch at
             the batch size you train with, labels included.
         budget: the most memory the step may add, as `measure_step` counts
-            it, in bytes or as a string like `"512MiB"`.
+            it, in bytes or as a string like `"512MiB"`, or a share of the
+            predicted peak of storing everything at the sample's batch size
+            (`0.5` for half; `VerifiedPlan.budget_bytes` is its bytes).
         strategy: a strategy that takes a budget (`"optimal"`, `"heuristic"`),
             or `"none"`/`"sqrt"` to verify a fixed plan.
         depth, where, policy: as for `recompute`.
@@ -358,7 +362,7 @@ def verified_plan(
     verified.model.fit(x, y, batch_size=64)
     ```
     """
-    budget_bytes(budget, api="verified_plan", name="budget")  # refused before any profiling
+    check_budget(budget, api="verified_plan", name="budget")  # refused before any profiling
     made = planner(
         "verified_plan", model, sample, strategy, depth=depth, where=where, policy=policy
     )

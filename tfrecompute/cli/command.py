@@ -5,20 +5,24 @@ Subcommands (each takes `--help`):
 * `plan MODEL.keras --batch-size N [--strategy NAME] [--budget 2GiB [--headroom 0.3]]
   [--all-names]`: the plan table (`--all-names` names every layer of each
   row). A budget is planned less its headroom for the allocator
-  (`tfrecompute.strategies.DEFAULT_HEADROOM` by default).
+  (`tfrecompute.strategies.DEFAULT_HEADROOM` by default); `--budget 0.5` (or
+  `50%`) plans to half the predicted peak of storing everything (without
+  headroom unless `--headroom` is given).
 * `profile MODEL.keras --batch-size N [--all-names] [--measure] [--measure-time]`: the
   per-link costs the planner sees (every call measured; forward times measured).
 * `frontier MODEL.keras --batch-size N [--plot out.png] [--budget B [--headroom H]]`:
-  the memory/recompute-cost Pareto curve.
+  the memory/recompute-cost Pareto curve; under an infeasible budget it is
+  still printed and drawn, the budget marked, before the error.
 * `timeline MODEL.keras --batch-size N [--plot out.png] [--strategy S] [--budget B [--headroom H]]`:
   predicted live memory over one training step, without and with the plan.
 * `plan`, `frontier` and `timeline` take `--verify` with a `--budget`: the
   plan's compiled train step is measured and re-planned until it fits
   (`tfrecompute.verified_plan`; the model must be saved compiled), and
   the measured peak is printed and plotted.
-* `max-batch MODEL.keras --budget B [--strategy S] [--multiple N]`: the
+* `max-batch MODEL.keras --budget B [--strategy S] [--multiple N] [--limit L]`: the
   largest batch size whose measured step fits (`tfrecompute.max_batch_size`),
-  a bar per measured batch size.
+  a bar per measured batch size; it says so when every size tried fitted up
+  to `--limit`.
 
 Measured commands run the model on random inputs labelled with its own
 outputs (NOTE [ The command line's sample batch ]).
@@ -50,8 +54,10 @@ import contextlib
 import json
 import math
 import os
+import re
 import sys
 import time
+import warnings
 import zipfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -63,8 +69,9 @@ from tfrecompute.cli import plots
 from tfrecompute.errors import InfeasibleBudgetError
 from tfrecompute.startup import quiet_tensorflow
 from tfrecompute.strategies._table import WIDTH, free_width, span_name, table
-from tfrecompute.strategies.headroom import check_headroom
-from tfrecompute.strategies.units import budget_bytes
+from tfrecompute.strategies.headroom import check_headroom, headroom_of
+from tfrecompute.strategies.plan import chain_budget
+from tfrecompute.strategies.units import budget_share, check_budget, format_budget
 
 __all__ = ["main"]
 
@@ -76,11 +83,13 @@ class CliError(Exception):
 
     Attributes:
         code: the exit code, 2 for usage errors and 1 for the others.
+        infeasible: the library found the budget infeasible.
     """
 
-    def __init__(self, message: str, *, code: int = 1) -> None:
+    def __init__(self, message: str, *, code: int = 1, infeasible: bool = False) -> None:
         super().__init__(message)
         self.code = code
+        self.infeasible = infeasible
 
 
 # ----------------------------------------------------------------- arguments
@@ -123,22 +132,6 @@ def _build_parser() -> argparse.ArgumentParser:
         _model_options(sub)
         return sub
 
-    def strategy_options(sub: argparse.ArgumentParser, default: str) -> None:
-        names = ", ".join((*strategies.available(), "uniform:<k>"))
-        sub.add_argument("--strategy", default=default, help=f"one of {names} (default: {default})")
-        sub.add_argument("--budget", help='the most memory per step, e.g. "2GiB" or "512MB"')
-        sub.add_argument(
-            "--headroom",
-            help="the share of the budget left for the allocator's rounding "
-            f"(default {strategies.DEFAULT_HEADROOM:g}; 0 plans to the budget)",
-        )
-        sub.add_argument(
-            "--verify",
-            action="store_true",
-            help="run the plan's compiled train step (the model saved compiled) and re-plan "
-            "until the measured step fits the --budget; headroom then comes from the measurement",
-        )
-
     def all_names(sub: argparse.ArgumentParser) -> None:
         sub.add_argument(
             "--all-names",
@@ -148,7 +141,7 @@ def _build_parser() -> argparse.ArgumentParser:
         )
 
     plan = model_command("plan", "Print the recompute plan of a model.")
-    strategy_options(plan, "optimal")
+    _strategy_options(plan, "optimal")
     all_names(plan)
 
     profile = model_command("profile", "Print the per-link memory and compute costs of a model.")
@@ -158,18 +151,40 @@ def _build_parser() -> argparse.ArgumentParser:
     frontier = model_command(
         "frontier", "Print (and plot) the memory / recompute-cost Pareto frontier."
     )
-    strategy_options(frontier, "optimal")
+    _strategy_options(frontier, "optimal")
     frontier.add_argument("--plot", metavar="OUT.png", help="write the curve to a PNG file")
 
     timeline = model_command(
         "timeline", "Print (and plot) predicted live memory over one training step."
     )
-    strategy_options(timeline, "optimal")
+    _strategy_options(timeline, "optimal")
     all_names(timeline)
     timeline.add_argument("--plot", metavar="OUT.png", help="write the timeline to a PNG file")
 
     _max_batch_options(commands)
     return parser
+
+
+def _strategy_options(sub: argparse.ArgumentParser, default: str) -> None:
+    """`--strategy`, `--budget`, `--headroom` and `--verify`."""
+    names = ", ".join((*strategies.available(), "uniform:<k>"))
+    sub.add_argument("--strategy", default=default, help=f"one of {names} (default: {default})")
+    sub.add_argument(
+        "--budget",
+        help='the most memory per step, e.g. "2GiB" or "512MB", or a share of the '
+        "predicted peak of storing everything, e.g. 0.5 (or 50%%) for half of it",
+    )
+    sub.add_argument(
+        "--headroom",
+        help="the share of the budget left for the allocator's rounding "
+        f"(default {strategies.DEFAULT_HEADROOM:g}; 0 plans to the budget)",
+    )
+    sub.add_argument(
+        "--verify",
+        action="store_true",
+        help="run the plan's compiled train step (the model saved compiled) and re-plan "
+        "until the measured step fits the --budget; headroom then comes from the measurement",
+    )
 
 
 def _measure_flags(profile: argparse.ArgumentParser) -> None:
@@ -230,11 +245,18 @@ def _model_options(sub: argparse.ArgumentParser) -> None:
     )
 
 
-def _budget(command: str, text: str | None) -> int | None:
+def _budget(command: str, text: str | None, chain: Any = None) -> int | None:
+    """`--budget` in bytes (None when not given): a share is taken of `chain`'s predicted
+    peak of storing everything; without a chain the budget is only checked (and None
+    returned for a share). Usage errors exit with 2."""
     if text is None:
         return None
+    api = f"tfrecompute {command}"
     try:
-        return budget_bytes(text, api=f"tfrecompute {command}", name="--budget")
+        check_budget(text, api=api, name="--budget")
+        if chain is None and budget_share(text, api=api, name="--budget") is not None:
+            return None
+        return chain_budget(api, chain, text)
     except (TypeError, ValueError) as error:
         raise CliError(str(error), code=2) from None
 
@@ -274,8 +296,22 @@ def _strategy(command: str, name: str) -> strategies.Strategy:
         ) from None
 
 
+_NUMBER = re.compile(r"(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
+
+def _budget_number(text: Any) -> Any:
+    """A `--budget` without a unit as the number it is, so that it means what it means in
+    Python: digits an int of bytes, a decimal a float (a share of storing everything in
+    (0, 1], a whole number of bytes above 1, anything else refused). Other text as given."""
+    if not isinstance(text, str) or not _NUMBER.fullmatch(text.strip()):
+        return text
+    return int(text) if text.strip().isdigit() else float(text)
+
+
 def _check_options(command: str, args: argparse.Namespace) -> None:
     """Every option a command has, checked before TensorFlow is imported."""
+    if hasattr(args, "budget"):
+        args.budget = _budget_number(args.budget)
     if hasattr(args, "strategy"):
         if hasattr(args, "headroom"):
             _headroom(command, args)
@@ -297,14 +333,22 @@ def _check_options(command: str, args: argparse.Namespace) -> None:
             )
 
 
-def _planned_budget(command: str, args: argparse.Namespace) -> plots.Budget | None:
+def _planned_budget(command: str, args: argparse.Namespace, chain: Any) -> plots.Budget | None:
     """The budget as the plots mark it: the total and what the plan had to fit."""
-    total = _budget(command, args.budget)
+    total = _budget(command, args.budget, chain)
     if total is None:
         return None
-    headroom = strategies.DEFAULT_HEADROOM if args.headroom is None else float(args.headroom)
-    planned = max(math.floor(total * (1 - check_headroom(command, headroom))), 1)
-    return plots.Budget(args.budget, total, planned)
+    given = None if args.headroom is None else float(args.headroom)
+    share = headroom_of(f"tfrecompute {command}", args.budget, given)
+    planned = max(math.floor(total * (1 - share)), 1)
+    return plots.Budget(_budget_text(args.budget), total, planned)
+
+
+def _budget_text(value: Any) -> str:
+    """The budget as written; a share says what it is a share of (`0.5 of storing everything`)."""
+    if budget_share(value, api="tfrecompute", name="--budget") is None:
+        return str(value)
+    return f"{value} of storing everything"
 
 
 # -------------------------------------------------------------------- models
@@ -366,7 +410,7 @@ def _library_errors() -> Iterator[None]:
         yield
     except (InfeasibleBudgetError, TypeError, ValueError) as error:
         text = str(error).replace("Pass sample=<", "Pass --dim N (or, in Python, sample=<")
-        raise CliError(text) from None
+        raise CliError(text, infeasible=isinstance(error, InfeasibleBudgetError)) from None
 
 
 def _progress_bar(done: int, total: int, *, width: int = 30) -> str:
@@ -521,12 +565,12 @@ def _labelled_batch(model: Any, batch_size: int, dim: int | None) -> tuple[Any, 
     return x, y
 
 
-def _verified(command: str, model: Any, args: argparse.Namespace) -> Any:
+def _verified(command: str, model: Any, args: argparse.Namespace, chain: Any) -> Any:
     """`tfrecompute.verified_plan` of the loaded model, each measured plan reported on stderr."""
     import tfrecompute
 
     _compile_saved(command, args, model)
-    total = _budget(command, args.budget) or 1
+    total = _budget(command, args.budget, chain) or 1
     fmt = strategies.format_bytes
 
     def report(probe: Any) -> None:
@@ -548,14 +592,14 @@ def _verified(command: str, model: Any, args: argparse.Namespace) -> Any:
 
 
 def _verified_choice(
-    command: str, model: Any, args: argparse.Namespace, label: str
+    command: str, model: Any, args: argparse.Namespace, label: str, chain: Any
 ) -> tuple[strategies.Plan, dict[str, int], plots.Budget]:
     """With --verify: the verified plan, its measured peak by label, and the budget it marks."""
-    verified = _verified(command, model, args)
+    verified = _verified(command, model, args, chain)
     planned = next(
         p.planned_bytes for p in verified.probes if p.measured_bytes == verified.peak_bytes
     )
-    budget = plots.Budget(args.budget, verified.budget_bytes, planned)
+    budget = plots.Budget(_budget_text(args.budget), verified.budget_bytes, planned)
     return verified.plan, {label: verified.peak_bytes}, budget
 
 
@@ -565,18 +609,42 @@ def _verified_choice(
 def _cmd_plan(args: argparse.Namespace) -> int:
     model, chain = _chain("plan", args)
     if args.verify:
-        plan, measured, budget = _verified_choice("plan", model, args, "plan")
+        plan, measured, budget = _verified_choice("plan", model, args, "plan", chain)
     else:
         plan, measured, budget = _chosen("plan", chain, args), {}, None
     print(f"Model {model.name!r} at batch size {args.batch_size}")
     print(plan.summary(all_names=args.all_names))
+    fmt = strategies.format_bytes
     if budget is not None:
-        fmt = strategies.format_bytes
         print(
             f"Measured train step: {fmt(measured['plan'])}, {measured['plan'] / budget.total:.0%} "
-            f"of the budget {fmt(budget.total)} (planned within {fmt(budget.planned)})"
+            f"of the budget {format_budget(args.budget, budget.total)} (planned within "
+            f"{fmt(budget.planned)})"
         )
+    elif args.budget is not None:
+        planned = _planned_budget("plan", args, chain)
+        assert planned is not None
+        print(
+            f"Budget: {format_budget(args.budget, planned.total)}, planned within "
+            f"{fmt(planned.planned)} ({1 - planned.planned / planned.total:.0%} headroom for "
+            "the allocator)"
+        )
+    _say_stored(plan, args)
     return 0
+
+
+def _say_stored(plan: strategies.Plan, args: argparse.Namespace) -> None:
+    """A line when the plan recomputes nothing though recompute was asked for."""
+    if plan.segments or plan.strategy == "none":
+        return
+    if args.budget is not None:
+        why = (
+            "storing everything is predicted to fit the budget: pass a lower --budget "
+            "(e.g. --budget 0.5 for half of storing everything) to save memory"
+        )
+    else:
+        why = "no plan predicts a lower peak than storing everything for this model"
+    print(f"Nothing is recomputed: {why}.")
 
 
 def _flops(value: float) -> str:
@@ -665,7 +733,16 @@ def _cmd_frontier(args: argparse.Namespace) -> int:
     figure_class = _figure_class() if args.plot else None  # before the model loads
     model, chain = _chain("frontier", args)
     label = _chosen_label(args)
-    chosen, measured, budget = _choice("frontier", model, chain, args, label)
+    infeasible = None
+    try:
+        chosen, measured, budget = _choice("frontier", model, chain, args, label)
+    except CliError as error:
+        if not error.infeasible:
+            raise
+        # NOTE [ The frontier of an infeasible budget ]: the moment the curve is most
+        # wanted; it is printed and drawn with the budget marked, then the error exits 1.
+        infeasible, chosen, measured = error, None, {}
+        budget = _planned_budget("frontier", args, chain)
     points = strategies.frontier(chain)
     marks = {
         "none": strategies.none(chain),
@@ -686,6 +763,9 @@ def _cmd_frontier(args: argparse.Namespace) -> int:
     print(table(header, rows, right=set(range(len(header)))))
     width = max(len(name) for name in [*marks, label]) + 2
     for name, plan in [*marks.items(), (label, chosen)]:
+        if plan is None:
+            print(f"{name:<{width}}no plan fits the budget")
+            continue
         print(f"{name:<{width}}peak {fmt(plan.peak_bytes)}, cost {_share(plan):.1f}%")
     _print_measured(measured, budget)
     if figure_class is not None:
@@ -693,13 +773,15 @@ def _cmd_frontier(args: argparse.Namespace) -> int:
             figure_class,
             points,
             marks,
-            (label, chosen),
+            None if chosen is None else (label, chosen),
             title=_title("Memory / recompute trade-off", args),
             budget=budget,
             measured=measured,
         )
         _save(figure, args.plot)
         print(f"Wrote {args.plot}")
+    if infeasible is not None:
+        raise infeasible
     return 0
 
 
@@ -708,8 +790,8 @@ def _choice(
 ) -> tuple[strategies.Plan, dict[str, int], plots.Budget | None]:
     """The chosen plan, measured peaks by label (with --verify), and the budget to mark."""
     if args.verify:
-        return _verified_choice(command, model, args, label)
-    return _chosen(command, chain, args), {}, _planned_budget(command, args)
+        return _verified_choice(command, model, args, label, chain)
+    return _chosen(command, chain, args), {}, _planned_budget(command, args, chain)
 
 
 def _print_measured(measured: dict[str, int], budget: plots.Budget | None) -> None:
@@ -724,8 +806,9 @@ def _chosen_label(args: argparse.Namespace) -> str:
         return str(args.strategy)
     if args.verify:
         return f"{args.strategy} @ {args.budget} (verified)"
-    headroom = strategies.DEFAULT_HEADROOM if args.headroom is None else args.headroom
-    return f"{args.strategy} @ {args.budget} (headroom {headroom})"
+    headroom = None if args.headroom is None else float(args.headroom)
+    share = float(headroom_of("tfrecompute", args.budget, headroom))
+    return f"{args.strategy} @ {_budget_text(args.budget)} (headroom {share:g})"
 
 
 def _title(what: str, args: argparse.Namespace) -> str:
@@ -789,20 +872,56 @@ def _budget_bar(probe: Any, total: int, *, width: int = 30) -> str:
 
 def _cmd_max_batch(args: argparse.Namespace) -> int:
     _check_options("max-batch", args)
+    if budget_share(args.budget, api="tfrecompute max-batch", name="--budget") is not None:
+        raise CliError(
+            "tfrecompute max-batch: a budget as a share of storing everything changes with the "
+            f"batch size, which this searches. {received('--budget', args.budget)}. Pass the "
+            "budget in bytes, e.g. --budget 8GiB.",
+            code=2,
+        )
     loaded = _load_model("max-batch", args)
     model = loaded.model
     _compile_saved("max-batch", args, model)
     total = _budget("max-batch", args.budget) or 1
+    sys.stderr.write(
+        f"Trying batch sizes {args.multiple}, {2 * args.multiple}, ... up to --limit "
+        f"{args.limit}, each measured in a fresh process\n"
+    )
+    found = _search_batch(model, args, total)
+    fmt = strategies.format_bytes
+    where = "each in a fresh process"
+    if found.at_limit:
+        print(
+            f"Every batch size tried fits {model.name!r} under {args.budget}: the search "
+            f"stopped at its --limit {args.limit}, so {found.batch_size} is the largest "
+            f"tried, not the largest that fits (measured {fmt(found.peak_bytes)}, "
+            f"{found.peak_bytes / total:.0%} of the budget; {len(found.probes)} batch sizes "
+            f"measured, {where}). Pass a larger --limit to search further."
+        )
+    else:
+        print(
+            f"Largest batch size of {model.name!r} under {args.budget}: {found.batch_size} "
+            f"(measured {fmt(found.peak_bytes)}, {found.peak_bytes / total:.0%} of the budget; "
+            f"{len(found.probes)} batch sizes measured, {where})"
+        )
+    print(found.plan.summary(all_names=args.all_names))
+    return 0
+
+
+def _search_batch(model: Any, args: argparse.Namespace, total: int) -> Any:
+    """`tfrecompute.max_batch_size`, a bar per probe on stderr; the limit is said by the
+    command itself, not by the library's warning."""
     import tfrecompute
 
     def report(probe: Any) -> None:
         sys.stderr.write(_budget_bar(probe, total) + "\n")
         sys.stderr.flush()
 
-    with _library_errors():
+    with _library_errors(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"max_batch_size: every batch size tried fits")
         sample = _labelled_batch(model, args.multiple, args.dim)
         try:
-            found = tfrecompute.max_batch_size(
+            return tfrecompute.max_batch_size(
                 model,
                 sample,
                 budget=args.budget,
@@ -814,14 +933,6 @@ def _cmd_max_batch(args: argparse.Namespace) -> int:
             )
         except RuntimeError as error:
             raise CliError(str(error)) from None
-    fmt = strategies.format_bytes
-    print(
-        f"Largest batch size of {model.name!r} under {args.budget}: {found.batch_size} "
-        f"(measured {fmt(found.peak_bytes)}, {found.peak_bytes / total:.0%} of the budget; "
-        f"{len(found.probes)} batch sizes measured, each in a fresh process)"
-    )
-    print(found.plan.summary(all_names=args.all_names))
-    return 0
 
 
 # ------------------------------------------------------------------ plotting

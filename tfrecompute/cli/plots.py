@@ -91,7 +91,7 @@ def frontier_figure(
     figure_class: Callable[..., Any],
     points: Sequence[Plan],
     marks: Mapping[str, Plan],
-    chosen: tuple[str, Plan],
+    chosen: tuple[str, Plan] | None,
     *,
     title: str,
     budget: Budget | None = None,
@@ -103,7 +103,8 @@ def frontier_figure(
         figure_class: `matplotlib.figure.Figure`.
         points: the frontier, by increasing peak (`strategies.frontier`).
         marks: plans of the strategies `none`, `sqrt`, `heuristic` to mark.
-        chosen: the label and plan of the chosen strategy.
+        chosen: the label and plan of the chosen strategy; None when no plan fits
+            the budget (which is then marked, with the least peak it would need).
         title: the figure's title.
         budget: the budget the chosen plan was made under, if any.
         measured: measured peak bytes by plan label (keys of `marks` or the
@@ -112,8 +113,7 @@ def frontier_figure(
     Returns:
         The figure.
     """
-    label, plan = chosen
-    plans = {**marks, label: plan}
+    plans = {**marks, **dict([chosen] if chosen else [])}
     largest = max(
         [p.peak_bytes for p in [*points, *plans.values()]] + list((measured or {}).values())
     )
@@ -139,19 +139,23 @@ def frontier_figure(
             zorder=3,
             label=f"{name}: {strategies.format_bytes(mark.peak_bytes)}, {_share(mark):.0f}%",
         )
-    axes.scatter(
-        plan.peak_bytes / scale,
-        _share(plan),
-        marker="*",
-        s=240,
-        color="tab:red",
-        edgecolor="black",
-        zorder=4,
-        label=f"{label}: {strategies.format_bytes(plan.peak_bytes)}, {_share(plan):.0f}%",
-    )
-    _draw_measured(axes, plans, measured or {}, scale, chosen=label)
+    if chosen is not None:
+        label, plan = chosen
+        axes.scatter(
+            plan.peak_bytes / scale,
+            _share(plan),
+            marker="*",
+            s=240,
+            color="tab:red",
+            edgecolor="black",
+            zorder=4,
+            label=f"{label}: {strategies.format_bytes(plan.peak_bytes)}, {_share(plan):.0f}%",
+        )
+        _draw_measured(axes, plans, measured or {}, scale, chosen=label)
     if budget is not None:
         _budget_lines(axes, budget, scale, vertical=True)
+        if chosen is None:
+            _mark_infeasible(axes, budget, points[0], scale)
     axes.set_xlim(left=0, right=right)
     axes.set_ylim(bottom=-4, top=max(ys + [_share(p) for p in plans.values()]) * 1.08 + 1)
     axes.set_xlabel(f"predicted peak memory of a training step ({unit})")
@@ -160,6 +164,19 @@ def frontier_figure(
     axes.grid(alpha=0.3)
     axes.legend(**_LEGEND)
     return figure
+
+
+def _mark_infeasible(axes: Any, budget: Budget, least: Plan, scale: float) -> None:
+    """Where no plan fits: the gap from the planned budget to the least peak, labelled."""
+    axes.axvspan(
+        budget.planned / scale,
+        least.peak_bytes / scale,
+        color="tab:red",
+        alpha=0.15,
+        hatch="//",
+        lw=0,
+        label=f"no plan fits: the least peak is {strategies.format_bytes(least.peak_bytes)}",
+    )
 
 
 def _draw_measured(

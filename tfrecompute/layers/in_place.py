@@ -76,13 +76,36 @@ class Checkpoints:
         blocks: every `RecomputeBlock` applied, in call order: those of
             `runtime` (and of the models routed inside it) and those around
             layers checkpointed in place.
-        changed: the layers and models whose `call` was changed.
+        changed: the layers and models whose `call` was changed; empty when
+            nothing is applied (`tfrecompute.checkpoints` of a model left as
+            it was), and then the record is false.
+        note: when nothing is applied, why (e.g. the budget is above the
+            predicted peak of storing everything).
     """
 
     plan: Any
     runtime: keras.Model | None
     blocks: tuple[RecomputeBlock, ...]
     changed: tuple[Any, ...]
+    note: str = ""
+
+    @property
+    def applied(self) -> bool:
+        """Whether anything is applied: `bool(checkpoints)` says the same."""
+        return bool(self.changed)
+
+    def __bool__(self) -> bool:
+        return self.applied
+
+    def summary(self) -> str:
+        """One line of what is applied (then the plan's table), or why nothing is."""
+        if not self.applied:
+            return f"No checkpoints applied: {self.note or 'nothing was applied to this model'}"
+        blocks = f"{len(self.blocks)} recompute block{'s' if len(self.blocks) != 1 else ''}"
+        if self.plan is None:
+            return f"Checkpoints applied: {blocks} around attention cores, without a plan"
+        head = f"Checkpoints applied: {blocks} of plan {self.plan.strategy!r}"
+        return f"{head}\n{self.plan.summary()}"
 
 
 @dataclasses.dataclass

@@ -14,9 +14,8 @@ import math
 from tfrecompute._messages import as_positive_int
 from tfrecompute.strategies import _solver
 from tfrecompute.strategies.chain import Chain
-from tfrecompute.strategies.plan import Budget, Plan, Strategy, infeasible
+from tfrecompute.strategies.plan import Budget, Plan, Strategy, chain_budget, infeasible
 from tfrecompute.strategies.simulate import carry_profile, check_chain, estimate, within_limits
-from tfrecompute.strategies.units import budget_bytes
 
 __all__ = ["heuristic", "none", "sqrt", "uniform"]
 
@@ -131,7 +130,7 @@ def heuristic(chain: Chain, budget: Budget | None = None) -> Plan:
         True
     """
     check_chain("heuristic", chain)
-    limit = None if budget is None else budget_bytes(budget, api="heuristic", name="budget")
+    limit = None if budget is None else chain_budget("heuristic", chain, budget)
     n = chain.n
     saved = chain.saved_bytes
     ratio = [cost / max(kept, 1) for cost, kept in zip(chain.forward_cost, saved)]
@@ -207,7 +206,7 @@ def _fixed_plan(
     segments = within_limits(chain, segments)
     peak, cost = estimate(chain, segments)
     if budget is not None:
-        limit = budget_bytes(budget, api=api, name="budget")
+        limit = chain_budget(api, chain, budget)
         if peak > limit:
             raise infeasible(api, budget, limit, own=peak, least=_least_peak(chain))
     return Plan(segments, peak_bytes=peak, recompute_cost=cost, strategy=api, chain=chain)

@@ -11,10 +11,10 @@ from typing import Any
 from tfrecompute._messages import fail, received
 from tfrecompute.errors import InfeasibleBudgetError
 from tfrecompute.strategies.chain import Chain
-from tfrecompute.strategies.plan import Plan
-from tfrecompute.strategies.units import budget_bytes, format_size
+from tfrecompute.strategies.plan import Plan, chain_budget
+from tfrecompute.strategies.units import budget_share, format_budget, format_size
 
-__all__ = ["DEFAULT_HEADROOM", "check_headroom", "plan_within"]
+__all__ = ["DEFAULT_HEADROOM", "check_headroom", "headroom_of", "plan_within"]
 
 DEFAULT_HEADROOM = 0.3
 """Share of a model's budget the planner leaves for the allocator's rounding.
@@ -35,6 +35,13 @@ does not predict; a verified plan, `tfrecompute.check.verified_plan`, measures t
 is a margin, not a bound: a prediction under the requested peak and a large
 rounding can together exceed it. tests/whole_model/test_real_models.py checks that the
 optimal plan's measured allocator peak stays under the budget.
+
+A budget given as a share of the predicted peak of storing everything
+(NOTE [ A budget as a share of storing everything ] in `units`) is planned
+without headroom unless one is given: it is a share of a prediction, and the
+plan's predicted peak is held to that share of it directly (`budget=0.5`: a
+plan predicted at half of storing everything), the allocator's rounding
+weighing on both sides.
 """
 
 
@@ -54,8 +61,11 @@ def plan_within(
         api: the public function, for error messages.
         strategy: `(chain, budget=None) -> Plan`.
         chain: the chain to plan.
-        budget: None, bytes or a string like `"2GiB"`.
-        headroom: None for `DEFAULT_HEADROOM`, or a share in `[0, 1)`.
+        budget: None, bytes, a string like `"2GiB"`, or a share of the chain's predicted
+            peak of storing everything such as `0.5` (NOTE [ A budget as a share of storing
+            everything ] in `units`).
+        headroom: None for `DEFAULT_HEADROOM` (0 for a budget given as a share), or a
+            share in `[0, 1)`.
 
     Returns:
         The strategy's plan.
@@ -83,8 +93,8 @@ def plan_within(
                 "Pass a budget too, or leave headroom=None",
             )
         return strategy(chain, budget=None)
-    total = budget_bytes(budget, api=api, name="budget")
-    share = check_headroom(api, DEFAULT_HEADROOM if headroom is None else headroom)
+    total = chain_budget(api, chain, budget)
+    share = headroom_of(api, budget, headroom)
     planned = math.floor(total * (1 - share))
     try:
         return strategy(chain, budget=max(planned, 1))
@@ -92,12 +102,27 @@ def plan_within(
         least = math.ceil(error.minimum / (1 - share))
         message = (
             f"{api}: the plan must fit in {format_size(max(planned, 1))}, the budget "
-            f"{format_size(total)} less {float(share) * 100:.3g}% headroom for the allocator, "
-            f"but the least predicted peak the strategy reaches is {format_size(error.minimum)}. "
+            f"{format_budget(budget, total)} less {float(share) * 100:.3g}% headroom for the "
+            "allocator, but the least predicted peak the strategy reaches is "
+            f"{format_size(error.minimum)}. "
             f"{received('budget', budget)}, headroom={headroom!r}. Raise the budget to at "
             f"least {format_size(least)}, lower the headroom, or reduce the batch size."
         )
         raise InfeasibleBudgetError(message, budget=total, minimum=least) from None
+
+
+def headroom_of(api: str, budget: object, headroom: object) -> Fraction:
+    """The headroom `budget` is planned with: `headroom` if given, else `DEFAULT_HEADROOM`
+    for bytes and 0 for a share of storing everything (NOTE [ Budget headroom ]).
+
+    Example:
+        >>> float(headroom_of("plan", "2GiB", None)), float(headroom_of("plan", 0.5, None))
+        (0.3, 0.0)
+    """
+    if headroom is not None:
+        return check_headroom(api, headroom)
+    shared = budget is not None and budget_share(budget, api=api, name="budget") is not None
+    return Fraction(0) if shared else check_headroom(api, DEFAULT_HEADROOM)
 
 
 def check_headroom(api: str, value: Any) -> Fraction:

@@ -32,9 +32,8 @@ import numbers
 from tfrecompute._messages import fail
 from tfrecompute.strategies import _selective, _solver
 from tfrecompute.strategies.chain import Chain
-from tfrecompute.strategies.plan import Budget, Plan, infeasible
+from tfrecompute.strategies.plan import Budget, Plan, chain_budget, infeasible
 from tfrecompute.strategies.simulate import check_chain, estimate
-from tfrecompute.strategies.units import budget_bytes
 
 __all__ = ["DEFAULT_MAX_WORK", "frontier", "min_peak", "optimal"]
 
@@ -95,7 +94,7 @@ def optimal(
     if budget is None:
         limit = least
     else:
-        limit = budget_bytes(budget, api="optimal", name="budget")
+        limit = chain_budget("optimal", chain, budget)
         if limit < least:
             raise infeasible("optimal", budget, limit, own=least, least=least)
     if chain.has_policy:

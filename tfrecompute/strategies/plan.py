@@ -20,12 +20,13 @@ from tfrecompute.strategies.simulate import (
     recompute_cost,
     timeline,
 )
-from tfrecompute.strategies.units import format_bytes, format_size
+from tfrecompute.strategies.units import budget_bytes, format_bytes, format_size
 
-__all__ = ["Budget", "Plan", "Strategy", "infeasible"]
+__all__ = ["Budget", "Plan", "Strategy", "chain_budget", "infeasible"]
 
-Budget = int | str
-"""A memory budget: bytes, or a string like `"512MiB"` (see `parse_budget`)."""
+Budget = int | float | str
+"""A memory budget: bytes, a string like `"512MiB"`, or a share of storing everything such as
+`0.5` (see `parse_budget`)."""
 
 
 @dataclass(frozen=True, init=False)
@@ -292,6 +293,17 @@ def _runs(n: int, segments: tuple[tuple[int, int], ...]) -> list[tuple[int, int,
 
 def _number(value: float) -> str:
     return format(value, ".4g")
+
+
+def chain_budget(api: str, chain: Chain, budget: object) -> int:
+    """`budget` for `chain` in bytes; a share (NOTE [ A budget as a share of storing
+    everything ] in `units`) is taken of the chain's predicted peak of storing everything.
+
+    Example:
+        >>> chain_budget("plan", Chain.homogeneous(4, activation_bytes=100), 0.5)
+        350
+    """
+    return budget_bytes(budget, api=api, name="budget", whole=lambda: estimate(chain, ())[0])
 
 
 def infeasible(
