@@ -212,7 +212,7 @@ def test_fit_runs_and_the_model_round_trips(name, tmp_path):
     path = tmp_path / f"{name}.keras"
     model.save(path)
     loaded = keras.models.load_model(path)
-    assert type(loaded) is type(model) and tfrecompute.checkpoints(loaded) is None
+    assert type(loaded) is type(model) and not tfrecompute.checkpoints(loaded)
     np.testing.assert_allclose(
         keras.tree.flatten(loaded(x))[0], keras.tree.flatten(model(x))[0], atol=1e-5
     )
@@ -419,11 +419,17 @@ def test_where_matching_nothing_is_an_error():
 
 def test_a_sample_that_does_not_fit_the_inputs_is_an_error():
     model, x, _ = _build("bert")
-    with pytest.raises(ValueError, match=r"plan: the sample's structure does not match"):
+    # What the user passed comes first, then what the model takes; inputs by their names.
+    mismatch = r"plan: the sample's inputs \(a dict with keys \['token_ids'\]\) do not match "
+    with pytest.raises(ValueError, match=mismatch + r"the model's inputs \(a dict with keys"):
         tfrecompute.plan(model, sample={"token_ids": x["token_ids"]})
     wrong = {**x, "token_ids": x["token_ids"][:, :, None]}
-    with pytest.raises(ValueError, match=r"plan: a sample input of shape \(4, 32, 1\)"):
+    shape = r"plan: a sample input of shape \(4, 32, 1\) does not fit the model input 'token_ids'"
+    with pytest.raises(ValueError, match=shape):
         tfrecompute.plan(model, sample=wrong)
+    sequential = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+    with pytest.raises(ValueError, match=r"does not fit the model's input of shape \(None, 8\)"):
+        tfrecompute.plan(sequential, sample=np.ones((2, 9), "float32"))
     with pytest.raises(TypeError, match=r"plan: the sample is not a batch of arrays"):
         tfrecompute.plan(model, sample={"token_ids": "abc", "padding_mask": 1, "segment_ids": 2})
 

@@ -291,25 +291,53 @@ def _check_against_inputs(api: str, model: keras.Model, specs: Any, sample: Any)
     try:
         keras.tree.assert_same_structure(specs, declared)
         pairs = list(zip(keras.tree.flatten(specs), keras.tree.flatten(declared)))
-    except (TypeError, ValueError) as error:
+    except (TypeError, ValueError):
         fail(
             api,
-            f"the sample's structure does not match the model's inputs ({error})",
+            f"the sample's inputs ({_structure(specs)}) do not match the model's inputs "
+            f"({_structure(declared)})",
             "sample",
             sample,
             "Pass the inputs in the structure the model takes (the same dict keys or list "
             "length), or (x, y) as passed to fit",
         )
-    for got, want in pairs:
+    names = _input_names(declared)
+    for (got, want), name in zip(pairs, names):
         fits = len(got.shape) == len(want.shape) and all(
             w is None or g == w for g, w in zip(list(got.shape)[1:], list(want.shape)[1:])
         )
         if not fits:
             fail(
                 api,
-                f"a sample input of shape {tuple(got.shape)} does not fit the model input "
-                f"{want.name!r} of shape {tuple(want.shape)}",
+                f"a sample input of shape {tuple(got.shape)} does not fit {name} of shape "
+                f"{tuple(want.shape)}",
                 "sample",
                 sample,
                 "Pass a batch of the shape the model takes",
             )
+
+
+def _structure(inputs: Any) -> str:
+    """How a structure of inputs reads in an error: dict keys, a list's length, one tensor."""
+    if isinstance(inputs, dict):
+        return f"a dict with keys {sorted(map(str, inputs))}"
+    if isinstance(inputs, (list, tuple)):
+        return f"a {type(inputs).__name__} of {len(inputs)}"
+    return "one tensor"
+
+
+def _input_names(declared: Any) -> list[str]:
+    """The model's inputs as an error names them, in flatten order: a dict's keys, an
+    input's own name where it was given one, else its position ("the model's input" for
+    a model of one input)."""
+    if isinstance(declared, dict):
+        return [f"the model input {key!r}" for key in sorted(declared)]  # flatten's order
+    flat = keras.tree.flatten(declared)
+    found = []
+    for index, tensor in enumerate(flat):
+        name = str(getattr(tensor, "name", "") or "")
+        if name and not name.startswith("keras_tensor"):
+            found.append(f"the model input {name!r}")
+        else:
+            found.append(f"the model input #{index}" if len(flat) > 1 else "the model's input")
+    return found
