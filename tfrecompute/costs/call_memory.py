@@ -213,20 +213,13 @@ def _made_early(traced: _TracedCall) -> dict[Any, tf.Tensor]:
 def _cast_sources(read: dict[Any, tf.Tensor]) -> set[Any]:
     """The buffers that a read tensor is a cast of (by reference), or for the list a loop
     steps through (`stepped_source`), a transpose of: an RNN keeps its inputs time-major."""
+    stepped = {_buffer(s).ref() for s in map(stepped_source, read.values()) if s is not None}
     found = set()
-    for tensor in read.values():
-        copies = ("Cast", "Transpose") if _stepped(tensor, read) else ("Cast",)
+    for key, tensor in read.items():
+        copies = ("Cast", "Transpose") if key in stepped else ("Cast",)
         if tensor.op.type in copies and tensor.op.inputs:
             found.add(_buffer(tensor.op.inputs[0]).ref())
     return found
-
-
-def _stepped(tensor: tf.Tensor, read: dict[Any, tf.Tensor]) -> bool:
-    """Whether `tensor` is what a read loop accumulator's stepped list was made from."""
-    return any(
-        source is not None and _buffer(source).ref() == tensor.ref()
-        for source in map(stepped_source, read.values())
-    )
 
 
 # Ops that run a function body the reading above does not look into.
