@@ -9,6 +9,7 @@ chain priced call by call.
 from __future__ import annotations
 
 import keras
+import keras_hub
 import numpy as np
 import pytest
 
@@ -66,17 +67,25 @@ def _one_key_per_layer(calls):
     return [(id(call.layer), layer_graph.call_signature(call)) for call in calls]
 
 
-@pytest.mark.parametrize("policy", [None, "dots"])
-def test_the_chain_priced_once_per_twin_equals_the_chain_priced_per_layer(monkeypatch, policy):
-    model = _model()
-    traced = []
+@pytest.fixture
+def traced(monkeypatch):
+    """The names of the layers whose calls `profile` traces for their memory, in order."""
+    names = []
     original = profile.traced_call_memory
 
     def counting(layer, *args, **kwargs):
-        traced.append(layer.name)
+        names.append(layer.name)
         return original(layer, *args, **kwargs)
 
     monkeypatch.setattr(profile, "traced_call_memory", counting)
+    return names
+
+
+@pytest.mark.parametrize("policy", [None, "dots"])
+def test_the_chain_priced_once_per_twin_equals_the_chain_priced_per_layer(
+    monkeypatch, traced, policy
+):
+    model = _model()
     shared = tfrecompute.profile(model, batch_size=8, policy=policy, measure=True)
     distinct = ["tanh_a", "relu", "no_bias", "frozen", "drop_a", "drop_other_rate", "head"]
     assert sorted(traced) == sorted(distinct)
@@ -88,8 +97,7 @@ def test_the_chain_priced_once_per_twin_equals_the_chain_priced_per_layer(monkey
     assert shared == apart
 
 
-def test_a_keras_hub_backbone_traces_each_distinct_layer_once(monkeypatch):
-    keras_hub = pytest.importorskip("keras_hub")
+def test_a_keras_hub_backbone_traces_each_distinct_layer_once(traced):
     keras.utils.set_random_seed(0)
     model = keras_hub.models.BertBackbone(
         vocabulary_size=50,
@@ -104,14 +112,6 @@ def test_a_keras_hub_backbone_traces_each_distinct_layer_once(monkeypatch):
         "segment_ids": np.zeros((2, 8), "int32"),
         "padding_mask": np.ones((2, 8), "int32"),
     }
-    traced = []
-    original = profile.traced_call_memory
-
-    def counting(layer, *args, **kwargs):
-        traced.append(layer.name)
-        return original(layer, *args, **kwargs)
-
-    monkeypatch.setattr(profile, "traced_call_memory", counting)
     tfrecompute.profile(model, sample=sample)
     layers = [name for name in traced if name.startswith("transformer_layer")]
     assert layers == ["transformer_layer_0"], traced
