@@ -57,7 +57,7 @@ import time
 import traceback
 import types
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -716,14 +716,19 @@ def _failure_lines(classes: dict[str, list[dict[str, Any]]], run: dict[str, Any]
     return lines
 
 
-def _left_lines(run: dict[str, Any]) -> list[str]:
-    left = collections.defaultdict(list)
+def _checkpointed_models(run: dict[str, Any]) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """(family, test, model record) for every model the checkpointed pass built."""
     for family, result in sorted(run.items()):
         for test, record in result["checkpointed"].items():
             for model in record["models"]:
-                if not model.get("checkpointed") and "error" not in model:
-                    key = (family, model["model"], model["dtype"], model.get("why", "?"))
-                    left[key].append(test)
+                yield family, test, model
+
+
+def _left_lines(run: dict[str, Any]) -> list[str]:
+    left = collections.defaultdict(list)
+    for family, test, model in _checkpointed_models(run):
+        if not model.get("checkpointed") and "error" not in model:
+            left[(family, model["model"], model["dtype"], model.get("why", "?"))].append(test)
     lines = ["", "## Models left as they were", ""]
     if not left:
         return lines + ["None."]
@@ -739,11 +744,9 @@ def _left_lines(run: dict[str, Any]) -> list[str]:
 
 def _time_lines(run: dict[str, Any]) -> list[str]:
     groups = collections.defaultdict(list)
-    for family, result in sorted(run.items()):
-        for record in result["checkpointed"].values():
-            for model in record["models"]:
-                if "wall_seconds" in model and "error" not in model:  # errors: see failures
-                    groups[(family, model["model"], model["dtype"])].append(model)
+    for family, _, model in _checkpointed_models(run):
+        if "wall_seconds" in model and "error" not in model:  # errors: see failures
+            groups[(family, model["model"], model["dtype"])].append(model)
     lines = ["", "## recompute time per model", ""]
     if not groups:
         return lines + ["No model was checkpointed."]
