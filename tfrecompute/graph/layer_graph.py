@@ -162,8 +162,8 @@ def cost_keys(calls: Sequence[Call]) -> list[tuple[Any, ...]]:
     weights match in shape, dtype and trainability. The repeated blocks of
     a deep model are then traced, measured and timed once, not once per
     layer: keras-hub's Qwen3.5 linear-attention decoder layer unrolls a
-    63-step Python loop into about 2,300 forward ops (6,300 with its
-    gradient), ResNet152's 50 bottleneck blocks repeat a few convolutions.
+    63-step Python loop into thousands of ops, ResNet152's 50 bottleneck
+    blocks repeat a few convolutions.
     A layer called more than once is keyed by its first call.
     """
     first: dict[tuple[Any, ...], tuple[Any, ...]] = {}
