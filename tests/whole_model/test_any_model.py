@@ -24,6 +24,7 @@ from tests.helpers import (
     MODES,
     applied_blocks,
     as_defined,
+    assert_same_values,
     forward_and_grads,
     load_state,
     model_runner,
@@ -31,7 +32,7 @@ from tests.helpers import (
     save_state,
 )
 from tfrecompute import RecomputeBlock, strategies
-from tfrecompute.layers.in_place import checkpointed_in_place
+from tfrecompute.layers.in_place import checkpoint_in_place, checkpointed_in_place
 
 NAMES = list(any_models.MODELS)
 
@@ -296,6 +297,41 @@ def test_a_subclassed_model_is_checkpointed_in_place():
     assert tfrecompute.checkpoints(model).runtime is None  # nothing to rebuild: in place
     assert any(checkpointed_in_place(block) for block in model.blocks)
     assert _recomputing(model, x) >= 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_layer_called_with_its_input_by_keyword_is_checkpointed_in_place(mode):
+    """Bloom's decoder layer calls its attention as `self._self_attention_layer(
+    hidden_states=..., attention_mask=...)`: an in-place block around it takes the
+    keyword input as the block's input. Gradients equal the model as defined."""
+    keras.utils.set_random_seed(0)
+    model = keras_hub.models.BloomBackbone(
+        vocabulary_size=100, num_layers=2, num_heads=2, hidden_dim=16, intermediate_dim=32,
+        dropout=0.1,
+    )  # fmt: skip
+    x = any_models._tokens(2, 8)
+    model(x)
+    attention = [layer._self_attention_layer for layer in model.transformer_layers]
+    blocks = [checkpoint_in_place(layer) for layer in attention]
+    seen = []
+    original = RecomputeBlock._recomputed_call
+
+    def counting(self, frame):
+        seen.append(self)
+        return original(self, frame)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(RecomputeBlock, "_recomputed_call", counting)
+        with tf.GradientTape():
+            model(x, training=True)
+    assert seen == blocks
+    flat = [tf.convert_to_tensor(v) for v in keras.tree.flatten(x)]
+    state = save_state(model.non_trainable_variables)
+    variables = model.trainable_variables
+    want = forward_and_grads(model_runner(as_defined(model), x), flat, variables, mode)
+    load_state(model.non_trainable_variables, state)
+    got = forward_and_grads(model_runner(model, x), flat, variables, mode)
+    assert_same_values(got, want, rtol=1e-5)
 
 
 def test_a_subclassed_layer_holding_a_sequential_gets_blocks_of_its_layers():

@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
@@ -228,11 +229,14 @@ def checkpoint_in_place(layer: keras.layers.Layer, *, policy: Any = None) -> Rec
     block = _InPlaceBlock(layer, policy=policy, name=f"{layer.name}_in_place")
     object.__setattr__(block, "_loss_owner", weakref.ref(layer))
     original = layer.call
+    first = next(iter(inspect.signature(original).parameters), None)
 
     @functools.wraps(original)
     def call(*args: Any, **kwargs: Any) -> Any:
         if _is_bypassed(layer):
             return original(*args, **kwargs)
+        if not args and first in kwargs:  # `layer(hidden_states=x)`: the block's input
+            args = (kwargs.pop(first),)
         return block(*args, **kwargs)
 
     change_attribute(layer, "call", call, block)
