@@ -251,8 +251,9 @@ def _attention_only(api: str, model: keras.Model) -> keras.Model:
     if not found:
         fail(
             api,
-            "policy='attention' found no attention layer with a `_compute_attention` method "
-            "in the model, so it would checkpoint nothing",
+            "policy='attention' found no attention layer in the model (a layer with a "
+            "`_compute_attention` method, or with projection layers and a class name saying "
+            "attention), so it would checkpoint nothing",
             "model",
             model,
             "Use it on models with keras.layers.MultiHeadAttention or keras-hub attention "

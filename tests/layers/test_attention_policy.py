@@ -28,6 +28,7 @@ from tests.helpers import (
     assert_same_training,
     assert_same_values,
     forward_and_grads,
+    highest_requested_trace,
     load_state,
     model_runner,
     normal,
@@ -35,6 +36,8 @@ from tests.helpers import (
     save_state,
 )
 from tfrecompute.layers import RecomputeBlock
+from tfrecompute.layers.attention import attention_layers, core_method, cores_checkpointed
+from tfrecompute.layers.in_place import checkpoint_in_place, checkpointed_in_place, release
 
 pytestmark = pytest.mark.usefixtures("collect_garbage")
 
@@ -192,6 +195,221 @@ def test_keras_hub_models_train_like_the_original(name, mode):
     assert not any("_compute_attention" in vars(layer) for layer in model._flatten_layers())
 
 
+# ------------------------------------------ attention computed inline in `call`
+
+
+def _tokens(batch, sequence, prefix=""):
+    rng = np.random.default_rng(0)
+    return {
+        f"{prefix}token_ids": rng.integers(1, 100, (batch, sequence)).astype("int32"),
+        f"{prefix}padding_mask": np.ones((batch, sequence), "int32"),
+    }
+
+
+def _t5(batch=2, sequence=8, hidden=16, heads=2):
+    model = keras_hub.models.T5Backbone(
+        vocabulary_size=100, num_layers=2, num_heads=heads, hidden_dim=hidden,
+        intermediate_dim=2 * hidden, key_value_dim=hidden // heads, dropout=0.1,
+    )  # fmt: skip
+    x = {**_tokens(batch, sequence, "encoder_"), **_tokens(batch, sequence, "decoder_")}
+    y = {
+        f"{part}_sequence_output": np.zeros((batch, sequence, hidden), "float32")
+        for part in ("encoder", "decoder")
+    }
+    return model, x, y
+
+
+def _bloom():
+    model = keras_hub.models.BloomBackbone(
+        vocabulary_size=100, num_layers=2, num_heads=2, hidden_dim=16, intermediate_dim=32,
+        dropout=0.1,
+    )  # fmt: skip
+    return model, _tokens(2, 8), None
+
+
+def _falcon():
+    model = keras_hub.models.FalconBackbone(
+        vocabulary_size=100, num_layers=2, num_attention_heads=2, hidden_dim=16,
+        intermediate_dim=32, attention_dropout_rate=0.1,
+    )  # fmt: skip
+    return model, _tokens(2, 8), None
+
+
+INLINE = {"t5": (_t5, 6), "bloom": (_bloom, 2), "falcon": (_falcon, 2)}  # attention layers
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(INLINE))
+def test_attention_computed_inline_trains_like_the_original(name, mode):
+    """T5's, Bloom's and Falcon's attention compute the core inline in `call` (NOTE
+    [ Attention computed inline ]): each attention layer (T5's self- and
+    cross-attention) is one block under "dots", recomputed in backprop, with
+    attention dropout on; gradients and seed states equal the plain model's."""
+    build, layers = INLINE[name]
+    keras.utils.set_random_seed(0)
+    model, x, _ = build()
+    model(x)
+    flat = [tf.convert_to_tensor(v) for v in keras.tree.flatten(x)]
+    trainable, state = model.trainable_variables, model.non_trainable_variables
+    initial = save_state(state)
+    want = forward_and_grads(model_runner(model, x), flat, trainable, mode)
+    want_state = save_state(state)
+    load_state(state, initial)
+    tfrecompute.recompute(model, policy="attention")
+    assert len(applied_blocks(model)) == layers
+    assert {block.policy for block in applied_blocks(model)} == {"dots"}
+
+    def training_call():
+        with tf.GradientTape():
+            model(x, training=True)
+
+    assert recomputed_blocks(model, training_call) == layers
+    load_state(state, initial)
+    got = forward_and_grads(model_runner(model, x), flat, trainable, mode)
+    assert_same_values(got, want, rtol=1e-5)
+    for got_value, want_value in zip(save_state(state), want_state):
+        np.testing.assert_array_equal(got_value, want_value)
+    tfrecompute.recompute(model, "none")
+    assert not any("call" in vars(layer) for layer in attention_layers([model]))
+
+
+def _bloom_attention_matmuls(layer, hidden):
+    """The matmuls a traced training step of one Bloom attention layer runs: those
+    its gradients (the input's, as inside a model, and the weights') depend on (a
+    product the policy kept is computed again by its VJP's local tape and never
+    read: pruned by Grappler, not counted here)."""
+    mask = tf.ones((2, 8, 8), "bool")
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(layer(x, attention_mask=mask, training=True) ** 2)
+        return tape.gradient(loss, [x, *layer.trainable_variables])
+
+    graph = step.get_concrete_function(hidden).graph
+    seen, stack = set(), [t.op for t in graph.outputs]
+    while stack:
+        op = stack.pop()
+        if op.name not in seen:
+            seen.add(op.name)
+            stack.extend([t.op for t in op.inputs] + list(op.control_inputs))
+    return sum(graph.get_operation_by_name(n).type in ("BatchMatMulV2", "MatMul") for n in seen)
+
+
+def test_attention_computed_inline_runs_the_core_again_and_no_projection():
+    """Counted in the traced step's graph, as for `_compute_attention`: under the
+    attention policy the core's two products run again and none of the four
+    projections does."""
+    keras.utils.set_random_seed(0)
+    model, x, _ = _bloom()
+    model(x)
+    attention = attention_layers([model])[0]
+    hidden = normal((2, 8, 16))
+    plain = _bloom_attention_matmuls(attention, hidden)
+    assert plain == 6 * 3  # four projections and two core products, two VJP products each
+    with cores_checkpointed([attention]):
+        assert _bloom_attention_matmuls(attention, hidden) == plain + 2
+    assert "call" not in vars(attention)
+    # A whole recompute runs the other five again (the output projection's output
+    # is read by no backward).
+    assert _bloom_attention_matmuls(RecomputeBlock(attention), hidden) == plain + 5
+
+
+def test_attention_computed_inline_is_found_by_its_call():
+    """Which method is checkpointed: the core where `call` calls `_compute_attention`,
+    `call` for an attention computed inline (XLNet's layer inherits the core but never
+    calls it), nothing for a layer without projection sublayers (XLNet's attention
+    mask layer) or one holding an attention layer."""
+    mha = keras.layers.MultiHeadAttention(2, 4)
+    mha(normal((1, 3, 4)), normal((1, 3, 4)))
+    assert core_method(mha) == "_compute_attention"
+    xlnet = keras_hub.models.XLNetBackbone(
+        vocabulary_size=100, num_layers=1, num_heads=2, hidden_dim=8, intermediate_dim=16
+    )
+    found = attention_layers([xlnet])
+    assert [type(layer).__name__ for layer in found] == ["TwoStreamRelativeAttention"]
+    assert core_method(found[0]) == "call"
+    model, _, _ = _bloom()
+    assert {core_method(layer) for layer in attention_layers([model])} == {"call"}
+    assert core_method(model) is None and core_method(model.transformer_layers[0]) is None
+
+    class AttentionMask(keras.layers.Layer):  # says attention, has no projection layers
+        def build(self, shape):
+            self.embedding = self.add_weight(shape=shape[-1:])
+
+        def call(self, x):
+            return x * self.embedding > 0
+
+    mask = AttentionMask()
+    mask(normal((1, 4)))
+    assert mask.weights and core_method(mask) is None
+
+
+def test_a_plans_in_place_block_keeps_its_call_under_the_attention_policy(monkeypatch):
+    """An in-place block around an attention layer computed inline (Bloom's decoder
+    calls it as `layer(hidden_states=...)`) applies the policy to the same `call`
+    while it runs: the core recomputes, gradients equal the plain model's, and the
+    in-place call is there after."""
+    keras.utils.set_random_seed(0)
+    model, x, _ = _bloom()
+    model(x)
+    flat = [tf.convert_to_tensor(v) for v in keras.tree.flatten(x)]
+    seeds = save_state(model.non_trainable_variables)
+    want = forward_and_grads(model_runner(model, x), flat, model.trainable_variables, "eager")
+    load_state(model.non_trainable_variables, seeds)
+    attention = attention_layers([model])[0]
+    block = checkpoint_in_place(attention, policy="attention")
+    seen = []
+    original = RecomputeBlock._recomputed_call
+
+    def counting(self, frame):
+        seen.append(self)
+        return original(self, frame)
+
+    monkeypatch.setattr(RecomputeBlock, "_recomputed_call", counting)
+    got = forward_and_grads(model_runner(model, x), flat, model.trainable_variables, "eager")
+    assert_same_values(got, want, rtol=1e-5)
+    assert block not in seen  # a block under "attention" recomputes only the cores
+    assert [b.policy for b in seen] == ["dots"]
+    assert checkpointed_in_place(attention)
+    release(attention)
+    assert "call" not in vars(attention)
+
+
+def test_attention_computed_inline_is_priced_and_timed():
+    """Bloom's attention links keep less under the attention state, which recomputes
+    their cores' products; timed, the recompute (the call given its projections)
+    costs something and no more than the link's forward."""
+    keras.utils.set_random_seed(0)
+    model, x, _ = _bloom()
+    model(x)
+    chain = tfrecompute.profile(model, sample=x, policy="attention")
+    attention = [i for i in range(chain.n) if chain.policy_kept_bytes[i] < chain.saved_bytes[i]]
+    assert len(attention) == 2
+    cores = 2 * (2 * 2 * 2 * 8 * 8 * 8)  # QK^T and AV: 2 x elements x contraction
+    assert [chain.policy_forward_cost[i] for i in attention] == [cores, cores]
+    timed = tfrecompute.profile(model, sample=x, policy="attention", measure_time=True)
+    for i in attention:
+        assert 0 < timed.policy_forward_cost[i] <= timed.forward_cost[i]
+
+
+@pytest.mark.slow
+def test_attention_computed_inline_keeps_less_for_backprop():
+    """T5 at sequence 256 (each head's scores 1 MiB): the attention policy keeps
+    less than storing everything, priced and in the requested peak of traced steps."""
+    keras.utils.set_random_seed(0)
+    model, x, y = _t5(batch=4, sequence=256, hidden=64, heads=4)
+    model(x)
+    model.compile(optimizer="sgd", loss="mse")
+    chain = tfrecompute.profile(model, sample=(x, y), policy="attention")
+    kept = [k / s for k, s in zip(chain.policy_kept_bytes, chain.saved_bytes)]
+    assert sum(ratio < 0.6 for ratio in kept) == 4  # the four transformer layers
+    stored = highest_requested_trace(model, x, y).requested_peak_bytes
+    tfrecompute.recompute(model, policy="attention")
+    assert highest_requested_trace(model, x, y).requested_peak_bytes < 0.8 * stored
+
+
 def _encoder(seed=0, sequence=8):
     keras.utils.set_random_seed(seed)
     inputs = keras.Input((sequence, 16))
@@ -310,7 +528,10 @@ def test_a_budget_mixes_attention_cores_and_full_blocks(mode):
 
 def test_a_model_without_attention_is_refused():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4)])
-    with pytest.raises(ValueError, match=r"found no attention layer with a `_compute_attention`"):
+    with pytest.raises(
+        ValueError,
+        match=r"found no attention layer in the model \(a layer with a `_compute_attention`",
+    ):
         tfrecompute.recompute(model, policy="attention")
 
 

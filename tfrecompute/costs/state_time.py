@@ -30,6 +30,7 @@ tests to read what they run (tests/costs/test_state_time.py).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -43,8 +44,8 @@ from tfrecompute.costs.measured import (
     sample_tensor,
     step_function,
 )
-from tfrecompute.layers.attention import CORE, attention_layers
-from tfrecompute.layers.policy import Policy, Recorder, active
+from tfrecompute.layers.attention import INLINE, attention_layers, core_method
+from tfrecompute.layers.policy import Policy, Recorder, active, resolve_policy
 
 __all__ = ["attention_core_seconds", "policy_recompute_seconds"]
 
@@ -155,30 +156,45 @@ def _cores_alone(
     layer: Any, args: Any, kwargs: Any, batch_size: int
 ) -> tuple[Any, tuple[Any, ...]]:
     """`(cores, inputs)`: the attention cores the call runs, on their captured inputs;
-    `(None, ())` if it runs none."""
+    `(None, ())` if it runs none. An attention computed inline (NOTE [ Attention
+    computed inline ]) runs its `call` given the products `"dots"` keeps, as its
+    recompute does, and returns every tensor it makes (as `_policy_replay`)."""
     symbolic = _symbolic(args, kwargs)
     run = step_function(layer, args, kwargs, symbolic)
     values = tuple(sample_tensor(t, batch_size) for t in symbolic)
-    calls: list[tuple[Any, Any]] = []
+    calls: list[_CoreCall] = []
 
     def capture(*inputs: tf.Tensor) -> list[tf.Tensor]:
         calls.clear()
         with _cores_captured(attention_layers([layer]), calls):
             run(inputs, False)
-        return [leaf for _, structure in calls for leaf in _tensors(structure)]
+        leaves = [leaf for call in calls for leaf in _tensors(call.structure)]
+        return leaves + [t for call in calls for t in call.kept]
 
     captured = list(tf.function(capture, autograph=False)(*values))
     if not calls:
         return None, ()
-    templates = [(core, keras.tree.flatten(structure), structure) for core, structure in calls]
+    templates = [(call, keras.tree.flatten(call.structure)) for call in calls]
 
     def cores(tensors: list[tf.Tensor]) -> list[Any]:
         given = iter(tensors)
+        filled_calls = [
+            (call, [next(given) if tf.is_tensor(leaf) else leaf for leaf in leaves])
+            for call, leaves in templates
+        ]
         results = []
-        for core, leaves, structure in templates:
-            filled = [next(given) if tf.is_tensor(leaf) else leaf for leaf in leaves]
-            core_args, core_kwargs = keras.tree.pack_sequence_as(structure, filled)
-            results.append(core(*core_args, **core_kwargs))
+        for call, filled in filled_calls:
+            core_args, core_kwargs = keras.tree.pack_sequence_as(call.structure, filled)
+            if call.kept_at is None:
+                results.append(call.core(*core_args, **core_kwargs))
+                continue
+            products = [next(given) for _ in call.kept]
+            graph = tf.compat.v1.get_default_graph()
+            first = len(graph.get_operations())
+            with active(_Given(call.kept_at, products)):
+                call.core(*core_args, **core_kwargs)
+            made = graph.get_operations()[first:]
+            results.append([t for op in made for t in op.outputs if t.dtype.is_floating])
         return keras.tree.flatten(results)
 
     return tf.function(cores, autograph=False), (captured,)
@@ -188,24 +204,49 @@ def _tensors(structure: Any) -> list[tf.Tensor]:
     return [leaf for leaf in keras.tree.flatten(structure) if tf.is_tensor(leaf)]
 
 
+@dataclasses.dataclass
+class _CoreCall:
+    """One attention core run while captured: the method, its arguments, and for an
+    attention computed inline what `"dots"` kept (`kept_at` per product, in order)."""
+
+    core: Any
+    structure: Any
+    kept_at: list[bool] | None = None
+    kept: list[tf.Tensor] = dataclasses.field(default_factory=list)
+
+
 @contextlib.contextmanager
-def _cores_captured(layers: list[Any], calls: list[tuple[Any, Any]]) -> Iterator[None]:
-    """Inside, each of `layers` runs its class's core and appends `(core, (args, kwargs))`."""
-    before = {id(layer): vars(layer).get(CORE) for layer in layers}
+def _cores_captured(layers: list[Any], calls: list[_CoreCall]) -> Iterator[None]:
+    """Inside, each of `layers` runs its class's core (`core_method`) and appends a
+    `_CoreCall`; a core computed inline runs with the `"dots"` policy's `Recorder`."""
+    dots = resolve_policy("profile", "dots")
+    methods = {id(layer): core_method(layer) for layer in layers}
+    before = {id(layer): vars(layer).get(methods[id(layer)]) for layer in layers}
     for layer in layers:
-        core = getattr(type(layer), CORE).__get__(layer, type(layer))
+        method = methods[id(layer)]
+        assert method is not None
+        original = getattr(type(layer), method).__get__(layer, type(layer))
 
-        def recording(*args: Any, _core: Any = core, **kwargs: Any) -> Any:
-            calls.append((_core, (args, kwargs)))
-            return _core(*args, **kwargs)
+        def recording(*args: Any, _core: Any = original, _inline: bool = method == INLINE,
+                      _name: str = layer.name, **kwargs: Any) -> Any:  # fmt: skip
+            if not _inline:
+                calls.append(_CoreCall(_core, (args, kwargs)))
+                return _core(*args, **kwargs)
+            recorder = Recorder(_name, dots)
+            with active(recorder):
+                result = _core(*args, **kwargs)
+            kept_at = [entry.saved is not None for entry in recorder.entries]
+            calls.append(_CoreCall(_core, (args, kwargs), kept_at, recorder.saved))
+            return result
 
-        object.__setattr__(layer, CORE, recording)  # untracked, removed on exit
+        object.__setattr__(layer, method, recording)  # untracked, removed on exit
     try:
         yield
     finally:
         for layer in layers:
-            previous = before[id(layer)]
+            method, previous = methods[id(layer)], before[id(layer)]
+            assert method is not None
             if previous is None:
-                object.__delattr__(layer, CORE)
+                object.__delattr__(layer, method)
             else:
-                object.__setattr__(layer, CORE, previous)
+                object.__setattr__(layer, method, previous)

@@ -24,8 +24,30 @@ its Dropout mask replayed.
 Keras's core returns the attention scores beside its output even when the
 caller drops them (`return_attention_scores=False`); as an output of the
 checkpointed function they would be kept for backprop, so the core drops
-them itself then. Attention layers without the method (T5's, Bloom's,
-Falcon's) are not found and run as they are.
+them itself then.
+
+NOTE [ Attention computed inline ]
+keras-hub's T5, Bloom, Falcon and XLNet attention compute the core inline in
+`call`, between the calls of their projection sublayers: there is no method
+that is the core alone to checkpoint. XLNet's `TwoStreamRelativeAttention`
+inherits `_compute_attention` from `MultiHeadAttention` but its `call` never
+calls it. For such a layer (a layer whose class name says attention, with
+sublayers that have weights, holding no other attention layer, whose `call`
+does not call `_compute_attention`)
+the whole `call` is checkpointed under the `"dots"` policy (NOTE [ Recompute
+policies ] in policy.py): its forward keeps the outputs of the products with
+a weight (the query, key, value and output projections) and the recompute
+runs everything between them, which is the core (the scores, bias and mask,
+softmax, dropout, and the weighted sum of the values) and the reshapes.
+What stays for backprop is what the core's checkpoint keeps, less the
+core's output (the output projection's input), which runs again. A
+projection the policy cannot see (an int8 kernel, which is not a trainable
+variable; a `tf.linalg.matmul` called directly) runs again too, correctly.
+
+The method changed is then `call`, which `checkpoint_in_place` may have
+changed already (a plan's in-place block around the same layer applies the
+policy while it runs): the checkpointed `call` goes over it and gives it
+back on release (`change_attribute(..., over=True)`).
 """
 
 from __future__ import annotations
@@ -45,8 +67,10 @@ from tfrecompute.layers.policy import register_scope
 
 __all__ = [
     "CORE",
+    "INLINE",
     "attention_layers",
     "checkpoint_attention",
+    "core_method",
     "cores_checkpointed",
     "is_checkpointed",
 ]
@@ -55,12 +79,50 @@ CORE = "_compute_attention"
 """The method that computes an attention layer's core."""
 
 
+INLINE = "call"
+"""The method checkpointed (under `"dots"`) for attention computed inline."""
+
+
+def _calls_core(cls: type) -> bool:
+    """Whether `cls` has the core method and its `call` calls it."""
+    if not callable(getattr(cls, CORE, None)):
+        return False
+    call = inspect.unwrap(getattr(cls, "call", None))
+    code = getattr(call, "__code__", None)
+    return code is None or CORE in code.co_names
+
+
+def _named_attention(layer: Any) -> bool:
+    """A layer (not a model) whose class name says attention and whose sublayers have
+    weights (its projections; a layer making an attention mask has none)."""
+    return (
+        isinstance(layer, keras.layers.Layer)
+        and not isinstance(layer, keras.Model)
+        and "attention" in type(layer).__name__.lower()
+        and any(sub is not layer and sub.weights for sub in all_sublayers(layer))
+    )
+
+
+def core_method(layer: Any) -> str | None:
+    """The method of `layer` that `policy="attention"` checkpoints: `CORE`, `INLINE`
+    (NOTE [ Attention computed inline ]), or None for a layer that is no attention."""
+    if _calls_core(type(layer)):
+        return CORE
+    if _named_attention(layer) and not any(
+        sub is not layer and (_calls_core(type(sub)) or _named_attention(sub))
+        for sub in all_sublayers(layer)
+    ):
+        return INLINE
+    return None
+
+
 def attention_layers(layers: Sequence[Any]) -> list[keras.layers.Layer]:
-    """The layers among `layers` and their sublayers whose class computes attention in `CORE`."""
+    """The layers among `layers` and their sublayers that compute an attention core: in
+    `CORE`, or inline in their `call` (NOTE [ Attention computed inline ])."""
     found: dict[int, keras.layers.Layer] = {}
     for root in layers:
         for layer in all_sublayers(root):
-            if callable(getattr(type(layer), CORE, None)):
+            if core_method(layer) is not None:
                 found.setdefault(id(layer), layer)
     return list(found.values())
 
@@ -84,10 +146,14 @@ def _drops_scores(signature: inspect.Signature | None) -> Any:
 def _core(layer: keras.layers.Layer) -> Checkpointed:
     """The layer's core as a checkpointed function: the one in force, else a new one
     (nothing is cached on the layer: NOTE [ Records off the model's attributes ])."""
-    applied = vars(layer).get(CORE)
+    method = core_method(layer)
+    assert method is not None
+    applied = vars(layer).get(method)
     if isinstance(applied, Checkpointed):
         return applied
-    original = getattr(type(layer), CORE).__get__(layer, type(layer))
+    original = getattr(type(layer), method).__get__(layer, type(layer))
+    if method == INLINE:
+        return Checkpointed(original, "dots", [layer])
     try:
         signature: inspect.Signature | None = inspect.signature(original)
     except (TypeError, ValueError):
@@ -105,7 +171,8 @@ def _core(layer: keras.layers.Layer) -> Checkpointed:
 
 def is_checkpointed(layer: keras.layers.Layer) -> bool:
     """Whether `layer`'s attention core runs checkpointed now."""
-    return isinstance(vars(layer).get(CORE), Checkpointed)
+    method = core_method(layer)
+    return method is not None and isinstance(vars(layer).get(method), Checkpointed)
 
 
 def checkpoint_attention(layer: keras.layers.Layer) -> Any:
@@ -115,7 +182,9 @@ def checkpoint_attention(layer: keras.layers.Layer) -> Any:
         The block the core runs through.
     """
     core = _core(layer)
-    change_attribute(layer, CORE, core, core.block)
+    method = core_method(layer)
+    assert method is not None
+    change_attribute(layer, method, core, core.block, over=method == INLINE)
     return core.block
 
 
@@ -129,11 +198,12 @@ def cores_checkpointed(layers: Sequence[Any]) -> Iterator[list[keras.layers.Laye
     found = attention_layers(layers)
     if not found:
         warnings.warn(
-            "policy='attention': no attention layer with a `_compute_attention` method "
-            f"among {[getattr(layer, 'name', layer) for layer in layers]}, so nothing is "
-            "recomputed. The policy finds keras.layers.MultiHeadAttention (and subclasses) "
-            "and keras-hub's attention layers; checkpoint a custom layer's core with "
-            "tfrecompute.checkpoint.",
+            "policy='attention': no attention layer among "
+            f"{[getattr(layer, 'name', layer) for layer in layers]}, so nothing is "
+            "recomputed. The policy finds layers with a `_compute_attention` method "
+            "(keras.layers.MultiHeadAttention, keras-hub's attention layers) and layers "
+            "with projection sublayers whose class name says attention; checkpoint a "
+            "custom layer's core with tfrecompute.checkpoint.",
             stacklevel=3,
         )
     changed = [layer for layer in found if not is_checkpointed(layer)]
@@ -143,7 +213,9 @@ def cores_checkpointed(layers: Sequence[Any]) -> Iterator[list[keras.layers.Laye
         yield changed
     finally:
         for layer in changed:
-            release(layer, CORE)
+            method = core_method(layer)
+            assert method is not None
+            release(layer, method)
 
 
 register_scope("attention", cores_checkpointed)

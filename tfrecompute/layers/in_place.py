@@ -181,14 +181,19 @@ class _InPlaceBlock(RecomputeBlock):
             return super()._run_inner(inputs, *args, **kwargs)
 
 
-def change_attribute(target: Any, attribute: str, value: Any, runs: Any) -> None:
+def change_attribute(
+    target: Any, attribute: str, value: Any, runs: Any, *, over: bool = False
+) -> None:
     """Sets `target.<attribute>` as an instance attribute that Keras and TensorFlow do not track.
 
     Keras's `.keras` saving walks a layer's attributes but saves only layers,
     variables and other Keras objects, never a plain function: `value` is one.
     `runs` is what it runs (a block, a rebuilt model), recorded with it.
+    A change already there is undone first, or, with `over`, kept under the
+    new one and given back by `release`.
     """
-    release(target, attribute)
+    if not over:
+        release(target, attribute)
     vars(value)[_CHANGE] = _Change(vars(target).get(attribute, _MISSING), value, runs)
     object.__setattr__(target, attribute, value)
 
