@@ -225,19 +225,19 @@ def _profile_graph(
 ) -> strategies.Chain:
     memories, seconds = _call_memories(graph, batch_size, progress, measuring)
     needed = _read_by_backward(graph, memories)
-    links = _links(graph, needed | _cast_for_backward(graph, memories))
+    sizes = _Sizes(graph, batch_size, _differentiable(graph))
+    links, unread = _links(graph, needed | _cast_for_backward(graph, memories), memories, sizes)
     link_of = [0] * len(graph.calls)
     for link, (first, stop) in enumerate(links):
         link_of[first:stop] = [link] * (stop - first)
-    sizes = _Sizes(graph, batch_size, _differentiable(graph))
     if optimizer is COMPILED:
         optimizer = compiled_or_adam(graph.model)
     updates = optimizer_costs(graph, link_of, len(links), optimizer)
     skips = _carries(graph, link_of, len(links), sizes)
-    per_link = _link_costs(graph, links, _Reads(memories, needed, seconds), sizes, skips)
+    per_link = _link_costs(graph, links, _Reads(memories, needed, seconds, unread), sizes, skips)
     forward = [c.forward_cost for c in per_link]
     policies = planned_policies("profile", policy)
-    traced = _Traced(measuring, memories, needed, sizes, skips)
+    traced = _Traced(measuring, memories, needed, sizes, skips, unread)
     forward, states = _policy_states(graph, links, batch_size, forward, policies, traced)
     first = states[0] if states else (None, None)
     return strategies.Chain(
@@ -273,6 +273,7 @@ class _Traced:
     needed: Any
     sizes: _Sizes
     skips: Any
+    unread: frozenset[int]  # links ending at an unread tensor (NOTE [ Links of the chain ])
 
 
 def _policy_states(
@@ -317,7 +318,7 @@ def _attention_kept(
         again, _ = _call_memories(
             graph, batch_size, None, untimed, redo=holds, reuse=traced.memories
         )
-    reads = _Reads(again, traced.needed, None)
+    reads = _Reads(again, traced.needed, None, traced.unread)
     return [c.saved for c in _link_costs(graph, links, reads, traced.sizes, traced.skips)]
 
 
@@ -549,7 +550,9 @@ def _cast_for_backward(graph: LayerGraph, memories: list[CallMemory]) -> set[int
     return cast
 
 
-def _links(graph: LayerGraph, cut: set[int]) -> list[tuple[int, int]]:
+def _links(
+    graph: LayerGraph, cut: set[int], memories: list[CallMemory], sizes: _Sizes
+) -> tuple[list[tuple[int, int]], frozenset[int]]:
     """NOTE [ Links of the chain ]
 
     A tensor that no backward reads (a BatchNormalization output feeding a
@@ -565,17 +568,39 @@ def _links(graph: LayerGraph, cut: set[int]) -> list[tuple[int, int]]:
     input to float32 for its first norm, so that no layer output was read
     by a backward and a Llama's whole stack merged into one link. Such
     tensors (with the read ones: `cut`) end links.
+
+    Merging is right where the tensor is small beside what the link keeps
+    (BatchNormalization's output), wrong where whole layers are at stake:
+    in a post-norm encoder quantized to int8 (BERT, RoBERTa) no backward
+    reads a layer's output (the next layer's int8 projections read only
+    their kernels, its residual add nothing), and FNet's Fourier mixing
+    reads none in float32, so the whole stack was one link with nowhere
+    to cut. So an unread tensor also ends a link when the link up to it
+    keeps at least `SPLIT_AT` times its bytes; storing that link is then
+    priced with the tensor kept besides (it is, when a block starts
+    there), which over-prices storing everything by the tensor per such
+    boundary and never under-prices a plan. Returns the links and the
+    indices of those ending at an unread tensor.
     """
     links: list[tuple[int, int]] = []
-    start = 0
+    unread: set[int] = set()
+    start, kept = 0, 0
     for index, call in enumerate(graph.calls):
-        transient = all(
-            id(t) not in cut and not graph.tensors[id(t)].is_output for t in call.outputs
-        )
-        if not transient or index == len(graph.calls) - 1:
+        read = [t for t in call.outputs if id(t) in cut or graph.tensors[id(t)].is_output]
+        kept += memories[index].kept_bytes + sizes.of(read)
+        last = index == len(graph.calls) - 1
+        split = not read and not last and kept >= SPLIT_AT * max(sizes.of(call.outputs), 1)
+        if read or last or split:
+            if split:
+                unread.add(len(links))
             links.append((start, index + 1))
-            start = index + 1
-    return links
+            start, kept = index + 1, 0
+    return links, frozenset(unread)
+
+
+SPLIT_AT = 2
+"""How many times an unread tensor's bytes a link must keep to end there (NOTE
+[ Links of the chain ])."""
 
 
 def _differentiable(graph: LayerGraph) -> set[int]:
@@ -650,6 +675,7 @@ class _Reads:
     memories: list[CallMemory]  # per call, what its backward keeps and reads
     needed: set[int]  # ids of the tensors some backward reads
     seconds: list[float] | None = None  # per call, its measured forward time
+    unread: frozenset[int] = frozenset()  # links ending at a tensor no backward reads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -675,7 +701,8 @@ def _link_costs(
     `x_k`, the chain's activation between link `k - 1` and link `k`, is the
     tensors link `k - 1` hands on (the model's inputs for `k = 0`). A link
     saves what its calls keep inside and each of its outputs some backward
-    reads, and at least its output.
+    reads, and at least its output; a link ending at a tensor no backward
+    reads (NOTE [ Links of the chain ]) saves it besides what it keeps.
     """
     names = graph.names
     boundary = list(graph.inputs)
@@ -693,7 +720,7 @@ def _link_costs(
             _LinkCosts(
                 name="+".join(names[first:stop]),
                 output=output,
-                saved=max(saved, output),
+                saved=saved + output if link in reads.unread else max(saved, output),
                 workspace=_workspace(graph, link, calls, reads, sizes, skips, output + input_grad),
                 input_grad=input_grad,
                 input_copy=input_copy,
