@@ -7,10 +7,11 @@ import dataclasses
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tfrecompute
 from tests import models_zoo
-from tests.helpers import highest_requested_trace
+from tests.helpers import MODES, forward_and_grads, highest_requested_trace
 from tfrecompute import strategies
 
 
@@ -197,3 +198,45 @@ def test_the_recompute_copies_its_input():
     measured = peaks[2]
     assert abs(plan.peak_bytes / measured - 1) <= 0.15, (plan.peak_bytes, peaks)
     assert measured > without + activation // 4, (without, peaks)
+
+
+class AnchorHead(keras.layers.Layer):
+    """Returns a constant made eagerly before any trace beside its output (D-FINE's anchors)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.anchors = tf.constant(np.linspace(0.0, 1.0, 8, dtype="float32"))
+
+    def call(self, x):
+        return x * 2.0, self.anchors
+
+
+class Detector(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.body = [keras.layers.Dense(8, activation="gelu") for _ in range(4)]
+        self.head = AnchorHead()
+
+    def call(self, x):
+        for layer in self.body:
+            x = layer(x)
+        y, anchors = self.head(x)
+        return y + anchors
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_call_returning_an_eager_constant_is_profiled_and_checkpointed(mode):
+    """A layer returning a tensor made eagerly (no op in the traced graph) is priced
+    as keeping nothing for it; checkpointed, the model's gradients are the plain one's."""
+    keras.utils.set_random_seed(0)
+    model = Detector()
+    x = np.random.default_rng(0).normal(size=(4, 8)).astype("float32")
+    model(x)
+    chain = tfrecompute.profile(model, sample=x)
+    assert chain.n == 5 and chain.names[-1].startswith("anchor_head")
+    want = forward_and_grads(model, [tf.constant(x)], model.trainable_variables, mode)
+    tfrecompute.recompute(model, "sqrt", sample=x)
+    assert tfrecompute.checkpoints(model).blocks
+    got = forward_and_grads(model, [tf.constant(x)], model.trainable_variables, mode)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)

@@ -39,7 +39,13 @@ _ALIASES = frozenset({"Identity", "IdentityN", "Reshape", "Squeeze", "ExpandDims
 
 
 def _buffer(tensor: tf.Tensor) -> tf.Tensor:
-    """The tensor whose buffer `tensor` shares (itself unless it is a view)."""
+    """The tensor whose buffer `tensor` shares (itself unless it is a view).
+
+    An eager tensor (a constant the layer made before tracing and returns as
+    it is, as D-FINE's anchors) has no op: it is its own buffer, no activation.
+    """
+    if not hasattr(tensor, "op"):  # an eager tensor's `op` raises AttributeError
+        return tensor
     while tensor.op.type in _ALIASES and tensor.op.inputs:
         tensor = tensor.op.inputs[0 if tensor.op.type != "IdentityN" else tensor.value_index]
     return tensor
