@@ -1,0 +1,373 @@
+"""Predicted against measured peaks on models no test uses, each plan in a fresh process.
+
+The held-out set of issue 37: keras-hub backbones of families the tests do
+not build (GPT-NeoX, Mistral, OPT, ELECTRA), `keras.applications` CNNs
+(Xception, VGG16, DenseNet121, InceptionV3), recurrent models (a stacked GRU
+language model, a bidirectional LSTM tagger, a subclassed model stepping a
+cell in a Python loop over time), a U-Net written here (transposed
+convolutions, BatchNormalization, skip concatenations) and a CNN compiled
+with `jit_compile=True`; Adam or SGD as listed in `MODELS`.
+
+For each model and plan (`none`; the default, `recompute(model, sample=...)`;
+`sqrt`; `optimal` under a budget halfway between the least peak a plan
+reaches and storing everything, as `prediction_accuracy.py` sets it), one
+fresh process builds the model (seed 0), plans, applies the plan and
+measures compiled training steps: the allocator's peak (`measure_step`) and
+the largest requested peak of two traced steps (`trace_step`; what the
+memory model predicts, without the allocator's rounding). Errors are
+predicted / measured - 1. The planning CPU seconds (`time.process_time`)
+are recorded beside them.
+
+Writes `held_out.json` and `held_out.md` to benchmarks/results/.
+
+    python benchmarks/held_out.py                      # every model, about an hour on 2 cores
+    python benchmarks/held_out.py --models gru_lm unet
+    python benchmarks/held_out.py --smoke              # one small model, a temporary folder
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # for `benchmarks._report`
+
+from benchmarks import _report  # noqa: E402
+
+NAME = "held_out"
+PLANS = ("none", "default", "sqrt", "optimal")
+SMOKE_PLANS = ("none", "sqrt")
+TRACES = 2
+MiB = 2**20
+Built = tuple[Any, Any, Any, Any, str]  # model, x, y, loss, optimizer
+
+
+def _tokens(batch: int, sequence: int, *, segments: bool = False) -> dict[str, Any]:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = {
+        "token_ids": rng.integers(1, 1000, (batch, sequence)).astype("int32"),
+        "padding_mask": np.ones((batch, sequence), "int32"),
+    }
+    if segments:
+        x["segment_ids"] = np.zeros((batch, sequence), "int32")
+    return x
+
+
+def _hub(name: str, batch: int = 8, sequence: int = 128, hidden: int = 128) -> Built:
+    import keras_hub
+    import numpy as np
+
+    common = {"vocabulary_size": 1000, "num_layers": 4, "hidden_dim": hidden}
+    model = {
+        "gpt_neox": lambda: keras_hub.models.GPTNeoXBackbone(
+            **common, num_heads=4, intermediate_dim=4 * hidden, max_sequence_length=sequence
+        ),
+        "mistral": lambda: keras_hub.models.MistralBackbone(
+            **common, num_query_heads=4, num_key_value_heads=2, intermediate_dim=2 * hidden
+        ),
+        "opt": lambda: keras_hub.models.OPTBackbone(
+            **common, num_heads=4, intermediate_dim=4 * hidden, max_sequence_length=sequence
+        ),
+        "electra": lambda: keras_hub.models.ElectraBackbone(
+            **common,
+            num_heads=4,
+            embedding_dim=hidden,
+            intermediate_dim=4 * hidden,
+            max_sequence_length=sequence,
+        ),  # fmt: skip
+    }[name]()
+    x = _tokens(batch, sequence, segments=name == "electra")
+    y = np.zeros((batch, sequence, hidden), "float32")
+    if name == "electra":
+        y = {"sequence_output": y, "pooled_output": np.zeros((batch, hidden), "float32")}
+    return model, x, y, "mse", "adam" if name in ("gpt_neox", "opt") else "sgd"
+
+
+def _application(name: str, batch: int = 16) -> Built:
+    import keras
+    import numpy as np
+
+    cls, size, optimizer = {
+        "xception": (keras.applications.Xception, 96, "sgd"),
+        "vgg16": (keras.applications.VGG16, 64, "adam"),
+        "densenet121": (keras.applications.DenseNet121, 64, "sgd"),
+        "inception_v3": (keras.applications.InceptionV3, 96, "adam"),
+    }[name]
+    model = cls(weights=None, input_shape=(size, size, 3), classes=10)
+    x = np.random.default_rng(0).random((batch, size, size, 3), dtype=np.float32)
+    y = np.eye(10, dtype="float32")[np.arange(batch) % 10]
+    return model, x, y, "categorical_crossentropy", optimizer
+
+
+def _recurrent(name: str, batch: int = 64, sequence: int = 32, units: int = 256) -> Built:
+    import keras
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, 1000, (batch, sequence)).astype("int32")
+    inputs = keras.Input((sequence,), dtype="int32")
+    x = keras.layers.Embedding(1000, 128)(inputs)
+    if name == "gru_lm":
+        for _ in range(2):
+            x = keras.layers.GRU(units, return_sequences=True)(x)
+        model = keras.Model(inputs, keras.layers.Dense(1000)(x))
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        return model, tokens, rng.integers(0, 1000, (batch, sequence)), loss, "adam"
+    for _ in range(2):
+        x = keras.layers.Bidirectional(keras.layers.LSTM(units // 2, return_sequences=True))(x)
+    model = keras.Model(inputs, keras.layers.Dense(10)(x))
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    return model, tokens, rng.integers(0, 10, (batch, sequence)), loss, "sgd"
+
+
+def _python_loop_rnn(batch: int = 256, steps: int = 16, units: int = 256) -> Built:
+    """A subclassed model stepping a Dense cell over time in a Python loop."""
+    import keras
+    import numpy as np
+
+    class LoopRNN(keras.Model):
+        def __init__(self) -> None:
+            super().__init__()
+            self.read = keras.layers.Dense(units)
+            self.cell = keras.layers.Dense(units, activation="tanh")
+            self.head = keras.layers.Dense(10)
+
+        def call(self, x: Any) -> Any:
+            state = keras.ops.zeros((keras.ops.shape(x)[0], units))
+            for t in range(steps):
+                state = self.cell(keras.ops.concatenate([self.read(x[:, t]), state], axis=-1))
+            return self.head(state)
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(batch, steps, 64)).astype("float32")
+    model = LoopRNN()
+    model(x[:1])
+    return model, x, rng.normal(size=(batch, 10)).astype("float32"), "mse", "adam"
+
+
+def _unet(batch: int = 8, size: int = 64, base: int = 16) -> Built:
+    import keras
+    import numpy as np
+
+    def block(x: Any, filters: int) -> Any:
+        for _ in range(2):
+            x = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False)(x)
+            x = keras.layers.ReLU()(keras.layers.BatchNormalization()(x))
+        return x
+
+    inputs = keras.Input((size, size, 3))
+    skips, x = [], inputs
+    for level in range(3):
+        x = block(x, base * 2**level)
+        skips.append(x)
+        x = keras.layers.MaxPooling2D()(x)
+    x = block(x, base * 8)
+    for level in reversed(range(3)):
+        x = keras.layers.Conv2DTranspose(base * 2**level, 2, strides=2)(x)
+        x = block(keras.layers.Concatenate()([x, skips[level]]), base * 2**level)
+    model = keras.Model(inputs, keras.layers.Conv2D(2, 1)(x))
+    rng = np.random.default_rng(0)
+    x = rng.random((batch, size, size, 3), dtype=np.float32)
+    return model, x, rng.random((batch, size, size, 2), dtype=np.float32), "mse", "adam"
+
+
+def _jit_cnn(batch: int = 32, size: int = 64) -> Built:
+    """Compiled with `jit_compile=True` (see `measure`)."""
+    import keras
+    import numpy as np
+
+    layers: list[Any] = [keras.Input((size, size, 3))]
+    for filters in (32, 64, 128):
+        layers += [
+            keras.layers.Conv2D(filters, 3, padding="same", activation="relu"),
+            keras.layers.Conv2D(filters, 3, padding="same", activation="relu"),
+            keras.layers.MaxPooling2D(),
+        ]
+    layers += [keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(10)]
+    x = np.random.default_rng(0).random((batch, size, size, 3), dtype=np.float32)
+    return keras.Sequential(layers), x, np.zeros((batch, 10), "float32"), "mse", "sgd"
+
+
+MODELS: dict[str, Callable[[], Built]] = {
+    **{name: (lambda name=name: _hub(name)) for name in ("gpt_neox", "mistral", "opt", "electra")},
+    **{
+        name: (lambda name=name: _application(name))
+        for name in ("xception", "vgg16", "densenet121", "inception_v3")
+    },
+    "gru_lm": lambda: _recurrent("gru_lm"),
+    "bilstm_tagger": lambda: _recurrent("bilstm_tagger"),
+    "python_loop_rnn": _python_loop_rnn,
+    "unet": _unet,
+    "jit_cnn": _jit_cnn,
+}
+SMOKE = {"gru_lm": lambda: _recurrent("gru_lm", batch=16, sequence=8, units=256)}
+
+
+def measure(name: str, plan_name: str, smoke: bool) -> dict[str, Any]:
+    """One model under one plan: predicted and measured peaks (run in a worker process)."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import keras
+
+    import tfrecompute
+    from tfrecompute import strategies
+
+    keras.utils.set_random_seed(0)
+    model, x, y, loss, optimizer = (SMOKE if smoke else MODELS)[name]()
+    model.compile(optimizer=optimizer, loss=loss, jit_compile=name == "jit_cnn")
+    start = time.process_time()
+    chain = tfrecompute.profile(model, sample=(x, y))
+    stored = strategies.none(chain).peak_bytes
+    budget = None
+    if plan_name == "optimal":
+        halfway = (strategies.min_peak(chain) + stored) // 2
+        budget = int(halfway / (1 - strategies.DEFAULT_HEADROOM))
+    strategy = {"none": "none", "default": None, "sqrt": "sqrt", "optimal": "optimal"}[plan_name]
+    plan = tfrecompute.plan(model, strategy, budget=budget, sample=(x, y))
+    tfrecompute.recompute(model, plan)
+    planning = time.process_time() - start
+    step = tfrecompute.measure_step(model, x, y)
+    traced = [tfrecompute.trace_step(model, x, y, warmup=1) for _ in range(TRACES)]
+    requested = max(t.requested_peak_bytes for t in traced)
+    return {
+        "model": name,
+        "plan": plan_name,
+        "optimizer": optimizer,
+        "links": chain.n,
+        "segments": len(plan.segments),
+        "predicted_bytes": plan.peak_bytes,
+        "stored_predicted_bytes": stored,
+        "measured_bytes": step.peak_bytes,
+        "requested_bytes": requested,
+        "error": plan.peak_bytes / max(step.peak_bytes, 1) - 1,
+        "requested_error": plan.peak_bytes / max(requested, 1) - 1,
+        "budget_bytes": budget,
+        "planning_cpu_seconds": planning,
+    }
+
+
+def _markdown(rows: list[dict[str, Any]], runs: list[dict[str, Any]]) -> str:
+    errors = [abs(r["error"]) for r in rows]
+    within = sum(e <= 0.10 for e in errors)
+    lines = [
+        "# Predictions on held-out models",
+        "",
+        f"Runs: {'; '.join(_run_line(run) for run in runs)}.",
+        "",
+        "Each model and plan measured in a fresh process (seed 0). *measured*: the "
+        "allocator's peak of a compiled training step (`measure_step`); *requested*: the "
+        f"largest requested peak of {TRACES} traced steps (`trace_step`). Error = predicted "
+        "/ measured - 1. The optimal plans' budget is halfway between the least peak and "
+        "storing everything, over `1 - headroom`.",
+        "",
+        f"Within 10% of the allocator: {within} of {len(rows)} plans; within 25%: "
+        f"{sum(e <= 0.25 for e in errors)}; the largest error "
+        f"{max(errors, default=0):.0%}.",
+        "",
+        "| model | optimizer | links | plan | segments | predicted MiB | measured MiB | error "
+        "| requested MiB | error vs requested | measured / budget | planning CPU s |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        budget = f"{r['measured_bytes'] / r['budget_bytes']:.0%}" if r["budget_bytes"] else "-"
+        lines.append(
+            f"| {r['model']} | {r['optimizer']} | {r['links']} | {r['plan']} | "
+            f"{r['segments']} | {r['predicted_bytes'] / MiB:.1f} | "
+            f"{r['measured_bytes'] / MiB:.1f} | {r['error']:+.0%} | "
+            f"{r['requested_bytes'] / MiB:.1f} | {r['requested_error']:+.0%} | {budget} | "
+            f"{r['planning_cpu_seconds']:.1f} |"
+        )
+    stored = {r["model"]: r["measured_bytes"] for r in rows if r["plan"] == "none"}
+    over = [
+        r["model"]
+        for r in rows
+        if r["plan"] == "default" and r["measured_bytes"] > stored.get(r["model"], float("inf"))
+    ]
+    lines += ["", f"Default plans measured above storing everything: {', '.join(over) or 'none'}."]
+    return "\n".join(lines) + "\n"
+
+
+def _run_line(run: dict[str, Any]) -> str:
+    return (
+        f"{run['started']} ({run['minutes']:.0f} min, load average before "
+        f"{run['load_before']}, tfrecompute {run['commit']}): {', '.join(run['models'])}"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), help="default: all")
+    parser.add_argument("--smoke", action="store_true", help="one small model, two plans")
+    parser.add_argument("--out", type=Path, help="the folder to write to")
+    parser.add_argument("--worker", nargs=2, metavar=("MODEL", "PLAN"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        print(json.dumps(measure(*args.worker, args.smoke)))
+        return {}
+    names = list(SMOKE) if args.smoke else (args.models or list(MODELS))
+    plans = SMOKE_PLANS if args.smoke else PLANS
+    out = _report.output_dir(args.out, smoke=args.smoke, name=NAME)
+    started, load = time.strftime("%Y-%m-%d %H:%M"), os.getloadavg()
+    begin = time.perf_counter()
+    script = Path(__file__).resolve()
+    rows = []
+    for name in names:
+        for plan in plans:
+            extra = ["--smoke"] if args.smoke else []
+            rows.append(_report.run_worker(script, ["--worker", name, plan, *extra], timeout=1800))
+    previous = _previous(out / f"{NAME}.json", names)
+    run = {
+        "started": started,
+        "minutes": (time.perf_counter() - begin) / 60,
+        "load_before": ", ".join(f"{value:.2f}" for value in load),
+        "commit": _commit(),
+        "models": names,
+    }
+    report = {
+        "machine": _report.machine(),
+        "versions": _report.versions("tensorflow", "keras", "keras-hub"),
+        "runs": previous["runs"] + [run],
+        "rows": previous["rows"] + rows,
+    }
+    order = list(MODELS)
+    report["rows"].sort(
+        key=lambda r: (
+            order.index(r["model"]) if r["model"] in order else -1,
+            PLANS.index(r["plan"]),
+        )
+    )
+    _report.write(out, NAME, report, _markdown(report["rows"], report["runs"]))
+    return report
+
+
+def _previous(path: Path, names: Sequence[str]) -> dict[str, Any]:
+    """The rows and runs of an earlier report, less the models run again."""
+    if not path.exists():
+        return {"rows": [], "runs": []}
+    old = json.loads(path.read_text())
+    return {
+        "rows": [r for r in old["rows"] if r["model"] not in names],
+        "runs": [run for run in old["runs"] if set(run["models"]) - set(names)],
+    }
+
+
+def _commit() -> str:
+    import subprocess
+
+    done = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    )
+    return done.stdout.strip() or "unknown"
+
+
+if __name__ == "__main__":
+    main()
