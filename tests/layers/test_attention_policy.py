@@ -36,7 +36,13 @@ from tests.helpers import (
     save_state,
 )
 from tfrecompute.layers import RecomputeBlock
-from tfrecompute.layers.attention import attention_layers, core_method, cores_checkpointed
+from tfrecompute.layers.attention import (
+    attention_layers,
+    checkpoint_attention,
+    core_method,
+    cores_checkpointed,
+    is_checkpointed,
+)
 from tfrecompute.layers.in_place import checkpoint_in_place, checkpointed_in_place, release
 
 pytestmark = pytest.mark.usefixtures("collect_garbage")
@@ -344,6 +350,32 @@ def test_attention_computed_inline_is_found_by_its_call():
     mask = AttentionMask()
     mask(normal((1, 4)))
     assert mask.weights and core_method(mask) is None
+
+
+def test_a_subclass_calling_its_parents_call_keeps_the_core_method():
+    """A `MultiHeadAttention` subclass whose `call` returns `super().call(...)` computes
+    its core in `_compute_attention` (the MRO's next `call` calls it)."""
+
+    class ScaledAttention(keras.layers.MultiHeadAttention):
+        def call(self, query, value, key=None, **kwargs):
+            return super().call(query, value, key, **kwargs) * 2.0
+
+    layer = ScaledAttention(2, 4)
+    layer(normal((1, 3, 4)), normal((1, 3, 4)))
+    assert core_method(layer) == "_compute_attention"
+
+
+def test_a_layer_shared_by_two_checkpointed_models_is_released_by_either():
+    """Checkpointed twice (two models holding the same attention layer), an inline
+    core is one change: releasing it gives the layer its own `call` back."""
+    keras.utils.set_random_seed(0)
+    model, x, _ = _bloom()
+    model(x)
+    attention = attention_layers([model])[0]
+    first, second = checkpoint_attention(attention), checkpoint_attention(attention)
+    assert first is second and is_checkpointed(attention)
+    release(attention, "call")
+    assert "call" not in vars(attention) and not is_checkpointed(attention)
 
 
 def test_a_plans_in_place_block_keeps_its_call_under_the_attention_policy(monkeypatch):

@@ -575,11 +575,12 @@ def _links(
     reads a layer's output (the next layer's int8 projections read only
     their kernels, its residual add nothing), and FNet's Fourier mixing
     reads none in float32, so the whole stack was one link with nowhere
-    to cut. So an unread tensor also ends a link when the link up to it
-    keeps at least `SPLIT_AT` times its bytes; storing that link is then
-    priced with the tensor kept besides (it is, when a block starts
-    there), which over-prices storing everything by the tensor per such
-    boundary and never under-prices a plan. Returns the links and the
+    to cut. So an unread tensor also ends a link when the calls of the link
+    up to it keep at least `SPLIT_AT` times its bytes inside; storing that
+    link is then priced with its output kept besides (it is, when a block
+    starts there), which over-prices storing everything by that output
+    (carried tensors included) per such boundary and never under-prices a
+    plan. Returns the links and the
     indices of those ending at an unread tensor.
     """
     links: list[tuple[int, int]] = []
@@ -587,7 +588,7 @@ def _links(
     start, kept = 0, 0
     for index, call in enumerate(graph.calls):
         read = [t for t in call.outputs if id(t) in cut or graph.tensors[id(t)].is_output]
-        kept += memories[index].kept_bytes + sizes.of(read)
+        kept += memories[index].kept_bytes
         last = index == len(graph.calls) - 1
         split = not read and not last and kept >= SPLIT_AT * max(sizes.of(call.outputs), 1)
         if read or last or split:

@@ -62,7 +62,7 @@ import keras
 
 from tfrecompute._keras_internals import all_sublayers
 from tfrecompute.layers.function import Checkpointed
-from tfrecompute.layers.in_place import change_attribute, release
+from tfrecompute.layers.in_place import change_attribute, checkpointed_in_place, release
 from tfrecompute.layers.policy import register_scope
 
 __all__ = [
@@ -84,12 +84,21 @@ INLINE = "call"
 
 
 def _calls_core(cls: type) -> bool:
-    """Whether `cls` has the core method and its `call` calls it."""
+    """Whether `cls` has the core method and its `call` calls it: the first `call` up the
+    MRO that names `CORE`, or that names neither it nor `super` (a `call` returning
+    `super().call(...)` is its parent's)."""
     if not callable(getattr(cls, CORE, None)):
         return False
-    call = inspect.unwrap(getattr(cls, "call", None))
-    code = getattr(call, "__code__", None)
-    return code is None or CORE in code.co_names
+    for base in cls.__mro__:
+        call = vars(base).get("call")
+        if call is None:
+            continue
+        code = getattr(inspect.unwrap(call), "__code__", None)
+        if code is None or CORE in code.co_names:
+            return True
+        if "super" not in code.co_names:
+            return False
+    return False
 
 
 def _named_attention(layer: Any) -> bool:
@@ -184,7 +193,8 @@ def checkpoint_attention(layer: keras.layers.Layer) -> Any:
     core = _core(layer)
     method = core_method(layer)
     assert method is not None
-    change_attribute(layer, method, core, core.block, over=method == INLINE)
+    over = method == INLINE and checkpointed_in_place(layer)
+    change_attribute(layer, method, core, core.block, over=over)
     return core.block
 
 

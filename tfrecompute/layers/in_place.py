@@ -192,6 +192,8 @@ def change_attribute(
     A change already there is undone first, or, with `over`, kept under the
     new one and given back by `release`.
     """
+    if vars(target).get(attribute) is value:
+        return  # applied already (a layer shared by two models): one change, one release
     if not over:
         release(target, attribute)
     vars(value)[_CHANGE] = _Change(vars(target).get(attribute, _MISSING), value, runs)
@@ -234,13 +236,15 @@ def checkpoint_in_place(layer: keras.layers.Layer, *, policy: Any = None) -> Rec
     block = _InPlaceBlock(layer, policy=policy, name=f"{layer.name}_in_place")
     object.__setattr__(block, "_loss_owner", weakref.ref(layer))
     original = layer.call
-    first = next(iter(inspect.signature(original).parameters), None)
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    first = next(iter(inspect.signature(original).parameters.values()), None)
+    first = first.name if first is not None and first.kind in positional else None
 
     @functools.wraps(original)
     def call(*args: Any, **kwargs: Any) -> Any:
         if _is_bypassed(layer):
             return original(*args, **kwargs)
-        if not args and first in kwargs:  # `layer(hidden_states=x)`: the block's input
+        if not args and first is not None and first in kwargs:  # `layer(hidden_states=x)`
             args = (kwargs.pop(first),)
         return block(*args, **kwargs)
 
