@@ -79,12 +79,14 @@ def _hub(name: str, batch: int = 8, sequence: int = 128, hidden: int = 128) -> B
             **common, num_heads=4, intermediate_dim=4 * hidden, max_sequence_length=sequence
         ),
         "electra": lambda: keras_hub.models.ElectraBackbone(
-            **common,
+            vocab_size=1000,
+            num_layers=4,
+            hidden_dim=hidden,
             num_heads=4,
             embedding_dim=hidden,
             intermediate_dim=4 * hidden,
             max_sequence_length=sequence,
-        ),  # fmt: skip
+        ),
     }[name]()
     x = _tokens(batch, sequence, segments=name == "electra")
     y = np.zeros((batch, sequence, hidden), "float32")
@@ -255,7 +257,9 @@ def measure(name: str, plan_name: str, smoke: bool) -> dict[str, Any]:
     }
 
 
-def _markdown(rows: list[dict[str, Any]], runs: list[dict[str, Any]]) -> str:
+def _markdown(
+    rows: list[dict[str, Any]], runs: list[dict[str, Any]], failed: list[dict[str, Any]]
+) -> str:
     errors = [abs(r["error"]) for r in rows]
     within = sum(e <= 0.10 for e in errors)
     lines = [
@@ -293,6 +297,12 @@ def _markdown(rows: list[dict[str, Any]], runs: list[dict[str, Any]]) -> str:
         if r["plan"] == "default" and r["measured_bytes"] > stored.get(r["model"], float("inf"))
     ]
     lines += ["", f"Default plans measured above storing everything: {', '.join(over) or 'none'}."]
+    if failed:
+        lines += ["", "## Failed", "", "| model | plan | error (its last line) |", "|---|---|---|"]
+        for f in failed:
+            text = f["error"].strip()
+            last = text.splitlines()[-1] if text else ""
+            lines.append(f"| {f['model']} | {f['plan']} | {last[:200]} |")
     return "\n".join(lines) + "\n"
 
 
@@ -319,44 +329,52 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     started, load = time.strftime("%Y-%m-%d %H:%M"), os.getloadavg()
     begin = time.perf_counter()
     script = Path(__file__).resolve()
-    rows = []
-    for name in names:
+    previous = _previous(out / f"{NAME}.json", names)
+    rows: list[dict[str, Any]] = []
+    failed: list[dict[str, Any]] = []
+    report: dict[str, Any] = {}
+    for index, name in enumerate(names):
         for plan in plans:
             extra = ["--smoke"] if args.smoke else []
-            rows.append(_report.run_worker(script, ["--worker", name, plan, *extra], timeout=1800))
-    previous = _previous(out / f"{NAME}.json", names)
-    run = {
-        "started": started,
-        "minutes": (time.perf_counter() - begin) / 60,
-        "load_before": ", ".join(f"{value:.2f}" for value in load),
-        "commit": _commit(),
-        "models": names,
-    }
-    report = {
-        "machine": _report.machine(),
-        "versions": _report.versions("tensorflow", "keras", "keras-hub"),
-        "runs": previous["runs"] + [run],
-        "rows": previous["rows"] + rows,
-    }
-    order = list(MODELS)
-    report["rows"].sort(
-        key=lambda r: (
-            order.index(r["model"]) if r["model"] in order else -1,
-            PLANS.index(r["plan"]),
-        )
-    )
-    _report.write(out, NAME, report, _markdown(report["rows"], report["runs"]))
+            try:
+                rows.append(
+                    _report.run_worker(script, ["--worker", name, plan, *extra], timeout=1800)
+                )
+            except RuntimeError as error:  # recorded; the other models still run
+                failed.append({"model": name, "plan": plan, "error": str(error)[-1500:]})
+        run = {
+            "started": started,
+            "minutes": (time.perf_counter() - begin) / 60,
+            "load_before": ", ".join(f"{value:.2f}" for value in load),
+            "commit": _commit(),
+            "models": names[: index + 1],
+        }
+        report = {  # written after each model, so that a stopped run keeps what it measured
+            "machine": _report.machine(),
+            "versions": _report.versions("tensorflow", "keras", "keras-hub"),
+            "runs": previous["runs"] + [run],
+            "rows": sorted(previous["rows"] + rows, key=_order),
+            "failed": previous["failed"] + failed,
+        }
+        table = _markdown(report["rows"], report["runs"], report["failed"])
+        _report.write(out, NAME, report, table)
     return report
 
 
+def _order(row: dict[str, Any]) -> tuple[int, int]:
+    order = list(MODELS)
+    return order.index(row["model"]) if row["model"] in order else -1, PLANS.index(row["plan"])
+
+
 def _previous(path: Path, names: Sequence[str]) -> dict[str, Any]:
-    """The rows and runs of an earlier report, less the models run again."""
+    """The rows, runs and failures of an earlier report, less the models run again."""
     if not path.exists():
-        return {"rows": [], "runs": []}
+        return {"rows": [], "runs": [], "failed": []}
     old = json.loads(path.read_text())
     return {
         "rows": [r for r in old["rows"] if r["model"] not in names],
         "runs": [run for run in old["runs"] if set(run["models"]) - set(names)],
+        "failed": [f for f in old.get("failed", []) if f["model"] not in names],
     }
 
 

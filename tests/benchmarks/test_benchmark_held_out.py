@@ -15,4 +15,5 @@ def test_smoke_run_measures_each_plan_in_its_own_process(tmp_path):
         assert row["requested_bytes"] > 0 and row["planning_cpu_seconds"] > 0
         assert abs(row["error"] - (row["predicted_bytes"] / row["measured_bytes"] - 1)) < 1e-9
     assert len(report["runs"]) == 1 and report["runs"][0]["models"] == ["gru_lm"]
+    assert report["failed"] == []
     assert "| gru_lm | adam |" in table and "Within 10% of the allocator" in table
