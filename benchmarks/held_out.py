@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -232,7 +233,7 @@ def measure(name: str, plan_name: str, smoke: bool) -> dict[str, Any]:
     budget = None
     if plan_name == "optimal":
         halfway = (strategies.min_peak(chain) + stored) // 2
-        budget = int(halfway / (1 - strategies.DEFAULT_HEADROOM))
+        budget = math.ceil(halfway / (1 - strategies.DEFAULT_HEADROOM))  # plannable
     strategy = {"none": "none", "default": None, "sqrt": "sqrt", "optimal": "optimal"}[plan_name]
     plan = tfrecompute.plan(model, strategy, budget=budget, sample=(x, y))
     tfrecompute.recompute(model, plan)
@@ -294,9 +295,15 @@ def _markdown(
     over = [
         r["model"]
         for r in rows
-        if r["plan"] == "default" and r["measured_bytes"] > stored.get(r["model"], float("inf"))
+        if r["plan"] == "default"
+        and r["segments"]
+        and r["measured_bytes"] > stored.get(r["model"], float("inf"))
     ]
-    lines += ["", f"Default plans measured above storing everything: {', '.join(over) or 'none'}."]
+    lines += [
+        "",
+        "Default plans that recompute something and measured above storing everything: "
+        f"{', '.join(over) or 'none'}.",
+    ]
     if failed:
         lines += ["", "## Failed", "", "| model | plan | error (its last line) |", "|---|---|---|"]
         for f in failed:

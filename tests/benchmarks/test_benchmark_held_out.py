@@ -17,3 +17,4 @@ def test_smoke_run_measures_each_plan_in_its_own_process(tmp_path):
     assert len(report["runs"]) == 1 and report["runs"][0]["models"] == ["gru_lm"]
     assert report["failed"] == []
     assert "| gru_lm | adam |" in table and "Within 10% of the allocator" in table
+    assert "measured above storing everything" in table
