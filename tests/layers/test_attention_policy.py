@@ -35,6 +35,7 @@ from tests.helpers import (
     recomputed_blocks,
     save_state,
 )
+from tests.whole_model.test_any_model import assert_trains_like_before
 from tfrecompute.layers import RecomputeBlock
 from tfrecompute.layers.attention import (
     attention_layers,
@@ -205,11 +206,7 @@ def test_keras_hub_models_train_like_the_original(name, mode):
 
 
 def _tokens(batch, sequence, prefix=""):
-    rng = np.random.default_rng(0)
-    return {
-        f"{prefix}token_ids": rng.integers(1, 100, (batch, sequence)).astype("int32"),
-        f"{prefix}padding_mask": np.ones((batch, sequence), "int32"),
-    }
+    return {f"{prefix}{key}": value for key, value in any_models._tokens(batch, sequence).items()}
 
 
 def _t5(batch=2, sequence=8, hidden=16, heads=2):
@@ -255,26 +252,13 @@ def test_attention_computed_inline_trains_like_the_original(name, mode):
     keras.utils.set_random_seed(0)
     model, x, _ = build()
     model(x)
-    flat = [tf.convert_to_tensor(v) for v in keras.tree.flatten(x)]
-    trainable, state = model.trainable_variables, model.non_trainable_variables
-    initial = save_state(state)
-    want = forward_and_grads(model_runner(model, x), flat, trainable, mode)
-    want_state = save_state(state)
-    load_state(state, initial)
-    tfrecompute.recompute(model, policy="attention")
+
+    def attention(m):
+        return tfrecompute.recompute(m, policy="attention")
+
+    assert_trains_like_before(model, x, mode, attention, blocks=layers)
     assert len(applied_blocks(model)) == layers
     assert {block.policy for block in applied_blocks(model)} == {"dots"}
-
-    def training_call():
-        with tf.GradientTape():
-            model(x, training=True)
-
-    assert recomputed_blocks(model, training_call) == layers
-    load_state(state, initial)
-    got = forward_and_grads(model_runner(model, x), flat, trainable, mode)
-    assert_same_values(got, want, rtol=1e-5)
-    for got_value, want_value in zip(save_state(state), want_state):
-        np.testing.assert_array_equal(got_value, want_value)
     tfrecompute.recompute(model, "none")
     assert not any("call" in vars(layer) for layer in attention_layers([model]))
 
