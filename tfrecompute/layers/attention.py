@@ -53,6 +53,7 @@ back on release (`change_attribute(..., over=True)`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import warnings
 from collections.abc import Iterator, Sequence
@@ -83,10 +84,12 @@ INLINE = "call"
 """The method checkpointed (under `"dots"`) for attention computed inline."""
 
 
+@functools.cache
 def _calls_core(cls: type) -> bool:
     """Whether `cls` has the core method and its `call` calls it: the first `call` up the
     MRO that names `CORE`, or that names neither it nor `super` (a `call` returning
-    `super().call(...)` is its parent's)."""
+    `super().call(...)` is its parent's). Cached per class: `cores_checkpointed` asks
+    it of every layer each time a block under the policy runs."""
     if not callable(getattr(cls, CORE, None)):
         return False
     for base in cls.__mro__:
