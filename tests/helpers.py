@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -9,6 +10,23 @@ import numpy as np
 import tensorflow as tf
 
 MODES = ["eager", "function"]
+
+
+def quantize(model: Any, mode: str) -> None:
+    """`model.quantize(mode)`, without Keras's garbage collection per dropped kernel.
+
+    Keras's `Layer.__delattr__` runs `gc.collect()` for every variable it
+    removes, which `quantize` does for each float kernel: 0.5 s each once a
+    test process has traced a few models, growing with the heap (tests/costs/
+    test_quantized.py alone: 275 such collections took 136 of its 290 s).
+    Nothing is left for those collections that a test needs collected.
+    """
+    collect = gc.collect
+    gc.collect = lambda *args, **kwargs: 0
+    try:
+        model.quantize(mode)
+    finally:
+        gc.collect = collect
 
 
 def save_state(variables: Sequence[Any]) -> list[np.ndarray]:

@@ -30,6 +30,7 @@ from tests.helpers import (
     highest_requested_trace,
     load_state,
     model_runner,
+    quantize,
     save_state,
 )
 from tfrecompute import strategies
@@ -47,7 +48,7 @@ def _quantized(seed: int = 0) -> keras.Model:
         ]
     )
     with pytest.warns(UserWarning, match="InputLayer does not have a `quantize` method"):
-        model.quantize("int8")
+        quantize(model, "int8")
     rng = np.random.default_rng(seed)
     for layer in model.layers:
         layer.enable_lora(4)
@@ -108,7 +109,7 @@ def _hub_gpt2(
         "padding_mask": np.ones((batch, sequence), "int32"),
     }
     model(x)
-    model.quantize(mode)
+    quantize(model, mode)
     if mode == "int8":
         model.enable_lora(4)
         for variable in model.trainable_variables:
@@ -193,7 +194,7 @@ def _int8_bert(*, batch: int, sequence: int, hidden: int, layers: int = 3, seed:
     }
     model(x)
     with pytest.warns(UserWarning, match="does not have a `quantize` method"):
-        model.quantize("int8")
+        quantize(model, "int8")
     return model, x
 
 

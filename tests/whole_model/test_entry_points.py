@@ -29,6 +29,7 @@ from tests.helpers import (
     forward_and_grads,
     load_state,
     model_runner,
+    quantize,
     recomputed_blocks,
     save_state,
 )
@@ -162,7 +163,7 @@ def _mixed_precision() -> tuple[keras.Model, Any, Any]:
 
 def _int8_keras_hub() -> tuple[keras.Model, Any, Any]:
     model, x, y = _keras_hub_backbone()
-    model.quantize("int8")
+    quantize(model, "int8")
     return model, x, y
 
 

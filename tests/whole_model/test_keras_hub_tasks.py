@@ -25,7 +25,6 @@ mode, eagerly and under `tf.function` (tests/whole_model/test_any_model.py).
 
 from __future__ import annotations
 
-import gc
 import warnings
 from typing import Any
 
@@ -37,6 +36,7 @@ import pytest
 import tfrecompute
 from tests.helpers import (
     MODES,
+    quantize,
 )
 from tests.whole_model.test_any_model import assert_trains_like_before
 
@@ -129,16 +129,9 @@ def _siglip_int8() -> tuple[keras.Model, Any, type]:
     model = keras_hub.models.SigLIPBackbone(vision, text)
     x = {"images": _images(2, 16, 16, 3), "token_ids": _tokens(2, 8)}
     model(x)
-    # Keras collects garbage each time a layer drops its float kernel (0.4 s each in a
-    # process holding TensorFlow, 34 times here); nothing is left to collect that matters.
-    collect = gc.collect
-    gc.collect = lambda *args, **kwargs: 0
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "Layer .* does not have a `quantize` method")
-            model.quantize("int8")
-    finally:
-        gc.collect = collect
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Layer .* does not have a `quantize` method")
+        quantize(model, "int8")
     return model, x, SigLIPEncoderLayer
 
 
