@@ -185,13 +185,14 @@ def test_a_verified_plan_replaces_calls_checkpointed_in_place_as_it_re_plans():
     from tests.any_models import tower_model
 
     keras.utils.set_random_seed(0)
-    model, (x, y) = tower_model(width=1024, batch=256)
+    # Activations, not weight gradients, dominate the step: its first plan
+    # measures about 0.6x of storing everything, well inside the budget less
+    # its 10% margin (at width 1024, batch 256, weight gradients dominated and
+    # the only plan measured 0.74x to 0.86x, in or out by the allocator's state).
+    model, (x, y) = tower_model(width=256, batch=2048)
     model.compile(optimizer="sgd", loss="mse")
     stored = tfrecompute.measure_step(model, x, y).peak_bytes
     seen = []
-    # 0.9: the measured step must fit 10% under the budget, and this model's
-    # steps measured 0.74x of storing everything in a process where earlier
-    # tests had left the allocator's chunks elsewhere (0.8 then failed).
     verified = tfrecompute.verified_plan(
         model, (x, y), budget=int(0.9 * stored), progress=lambda probe: seen.append(probe)
     )

@@ -47,6 +47,10 @@ REQUESTED_TOLERANCE = 0.15
 # while staying at -3% against the requested peak: at its peak a 4 MiB request
 # is handed a 6.25 MiB chunk in some runs and not in others.
 TOLERANCE = {"encoder": 0.25, "mobilenet_v2": 0.4, "resnet50": 0.4, "unet": 0.4}
+# U-Net's sqrt plan requested 70.5, 78 (9 times), 94 (5) and 102 MiB (5) over
+# 20 traced steps in one process, predicted 112: the largest of 5 missed the
+# 102 MiB order about one run in four (+19%); of 16, about one in a hundred.
+TRACES = {"unet": 16}
 # Memory is measured on three of the four: ResNet50's steps are the longest to
 # trace, and benchmarks/prediction_accuracy.py measures all four (its results file).
 MEASURED = sorted(set(MODELS) - {"resnet50"})
@@ -131,9 +135,9 @@ def test_predicted_peak_against_measured(name):
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
     import prediction_accuracy
 
-    # The requested peak is the largest of 5 traced steps per plan: the order of
-    # the inter-op threads moves it (MobileNetV2 sqrt: 74 to 86 MiB).
-    result = prediction_accuracy.run_in_subprocess(name, BATCH, traces=5)
+    # The requested peak is the largest of several traced steps per plan: the
+    # order of the inter-op threads moves it (MobileNetV2 sqrt: 74 to 86 MiB).
+    result = prediction_accuracy.run_in_subprocess(name, BATCH, traces=TRACES.get(name, 5))
     requested = {row["strategy"]: row["requested_error"] for row in result["rows"]}
     assert all(abs(e) <= REQUESTED_TOLERANCE for e in requested.values()), (name, requested)
     errors = {row["strategy"]: row["error"] for row in result["rows"]}
