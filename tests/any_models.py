@@ -331,6 +331,28 @@ def deit(*, layers: int = 2, hidden: int = 32, image: int = 16, batch: int = 2) 
     return model, (x, None)
 
 
+def hgnetv2(*, image: int = 64, batch: int = 2) -> Any:
+    """keras-hub's own test configuration (two stages, a block each): subclassed layers
+    three deep (stages hold blocks hold conv, norm and activation layers), no glue
+    between them."""
+    stages = [[32, 16, 64, 1, 1, 3], [64, 32, 128, 1, 1, 3]]
+    model = keras_hub.models.HGNetV2Backbone(
+        embedding_size=32,
+        stem_channels=[3, 16, 32],
+        hidden_act="relu",
+        use_learnable_affine_block=False,
+        image_shape=(image, image, 3),
+        depths=[1, 1],
+        hidden_sizes=[64, 128],
+        stackwise_stage_filters=stages,
+        apply_downsample=[False, True],
+        use_lightweight_conv_block=[False, False],
+        out_features=["stem", "stage1", "stage2"],
+    )
+    x = np.random.default_rng(0).random((batch, image, image, 3)).astype("float32")
+    return model, (x, None)
+
+
 # More models, checked for exactness only (each costs seconds to plan).
 MORE_MODELS: dict[str, Callable[..., Any]] = {
     "albert": albert,
@@ -343,6 +365,7 @@ MORE_MODELS: dict[str, Callable[..., Any]] = {
     "clip": clip,
     "rwkv7": rwkv7,
     "deit": deit,
+    "hgnetv2": hgnetv2,
 }
 
 MODELS: dict[str, Callable[..., Any]] = {

@@ -285,6 +285,21 @@ def test_vit_plans_over_its_encoder_blocks():
     assert shallow.n == 2  # the embedding and the whole encoder: nothing to plan
 
 
+def test_a_layer_of_single_calls_in_code_stays_one_call():
+    """HGNetV2's stages hold blocks holding conv, norm and activation layers, called in
+    code: each conv layer and stem is one link (checkpointed in place whole), not three
+    links of which a plan could only recompute one at a time."""
+    keras.utils.set_random_seed(0)
+    model, (x, _) = any_models.hgnetv2()
+    chain = tfrecompute.profile(model, sample=x)
+    assert "embedder/embedder_stem1" in chain.names
+    assert not any(name.endswith(("_conv", "_bn", "_relu")) for name in chain.names)
+    tfrecompute.recompute(model, sample=x)
+    blocks = tfrecompute.checkpoints(model).blocks
+    assert blocks and all(checkpointed_in_place(b.inner[0]) for b in blocks)
+    assert _recomputing(model, x) == len(blocks)
+
+
 def test_a_subclassed_model_is_checkpointed_in_place():
     model, x, _ = _build("loop_transformer")
     chain = tfrecompute.profile(model, sample=x)
@@ -406,6 +421,22 @@ def test_a_default_plan_that_saves_nothing_warns_and_names_the_link():
     model = keras.Model(inputs, keras.layers.Dense(4096, activation="tanh")(inputs))
     with pytest.warns(UserWarning, match=r"no plan lowers this model's predicted peak.*'dense"):
         tfrecompute.plan(model, batch_size=8)
+
+
+def test_a_plan_under_where_that_saves_nothing_points_at_where():
+    """The link keeping the most is outside the selection: the warning says to add it
+    to where=, not to reach for depth= (where= replaces depth's expansion)."""
+    inputs = keras.Input((64,))
+    h = keras.layers.Dense(4096, activation="tanh", name="wide")(inputs)
+    h = keras.layers.Dense(4096, activation="tanh", name="wide_too")(h)
+    for index in range(3):
+        h = keras.layers.Dense(256, activation="tanh", name=f"narrow_{index}")(h)
+    model = keras.Model(inputs, keras.layers.Dense(4)(h))
+    with pytest.warns(UserWarning, match="no plan lowers") as caught:
+        tfrecompute.plan(model, batch_size=64, where=["wide_too", "narrow_0"])
+    said = str(caught[0].message)
+    assert "Link 'wide'" in said and "add it, or its sub-layers, to where=" in said
+    assert "depth=" not in said
 
 
 @pytest.mark.parametrize("strategy", ["sqrt", "uniform:1"])

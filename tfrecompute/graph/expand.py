@@ -15,12 +15,17 @@ sees the leaves of that tree after expanding it from the root down:
   sub-layer calls when every tensor they take is one its call received or
   one an earlier sub-layer call returned, and it returns only such tensors:
   a container such as keras-hub's `ViTEncoder`, which loops over its
-  blocks. A Functional or Sequential model that such code calls is kept
-  whole: the user's own grouping, recomputed as one block. Its Python code cannot be
-  rebuilt, so a sub-layer call is checkpointed in place, one call at a time,
-  and only if its layer is called once in the whole model: "in-place" calls.
-  A layer whose call computes between its sub-layer calls (a residual block)
-  stays one call: the natural block to recompute whole.
+  blocks, or HGNetV2's stages. It is expanded only while some sub-layer
+  itself runs sub-layers: a layer whose sub-layers are all single calls
+  (HGNetV2's conv, norm and activation layer; its stem) stays one call,
+  since a call in code is recomputed alone (below), and one such call
+  recomputed saves nothing its neighbours do not keep anyway. A Functional
+  or Sequential model that such code calls is kept whole: the user's own
+  grouping, recomputed as one block. Its Python code cannot be rebuilt, so a
+  sub-layer call is checkpointed in place, one call at a time, and only if
+  its layer is called once in the whole model: "in-place" calls. A layer
+  whose call computes between its sub-layer calls (a residual block) stays
+  one call: the natural block to recompute whole.
 * A subclassed root model is always expanded (there is nothing else to
   plan), and so is every layer on the way to a layer `where` selects. There,
   the tensors its code computes between sub-layer calls become "glue"
@@ -119,9 +124,10 @@ class _Expander:
             return not selected(self.where, layer) and _contains(self.where, call)
         if isinstance(layer, keras.Model) and is_functional(layer):
             return _nodes_match(call)
-        # A layer that only runs keras.ops (ZeroPadding2D's pad) is one call.
-        has_layers = any(isinstance(c.operation, keras.layers.Layer) for c in call.children)
-        return has_layers and _glue_free(call)
+        # A layer that only runs keras.ops (ZeroPadding2D's pad) is one call,
+        # and so is one whose sub-layers are all single calls (NOTE [ Expanding
+        # the call tree ]: a block of conv, norm and activation layers).
+        return any(_composite(c) for c in call.children) and _glue_free(call)
 
     # -------------------------------------------------------------- graph calls
 
@@ -325,6 +331,14 @@ def _nodes_match(call: TracedCall) -> bool:
     nodes = [node for node in functional_nodes(model) if not node.is_input]
     return len(nodes) == len(call.children) and all(
         node.operation is child.operation for node, child in zip(nodes, call.children)
+    )
+
+
+def _composite(call: TracedCall) -> bool:
+    """Whether `call` is a layer's call that runs sub-layers."""
+    layer = call.operation
+    return isinstance(layer, keras.layers.Layer) and any(
+        isinstance(c.operation, keras.layers.Layer) for c in call.children
     )
 
 
