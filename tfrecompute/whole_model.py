@@ -86,7 +86,12 @@ def _resolve_plan(
     made = strategies.plan_within(api, chosen, chain, budget, options["headroom"])
     alone = strategy is None and budget is None and options["where"] is None
     made, said = _worth_its_recompute(
-        api, made, named=strategy is not None, budgeted=budget is not None, fall_back=alone
+        api,
+        made,
+        named=strategy is not None,
+        budgeted=budget is not None,
+        fall_back=alone,
+        selected=options["where"] is not None,
     )
     profiled = profiled_model(made.chain, model)
     assert profiled is not None  # strategies plan the chain they are given
@@ -158,7 +163,13 @@ recompute ])."""
 
 
 def _worth_its_recompute(
-    api: str, plan: strategies.Plan, *, named: bool, budgeted: bool, fall_back: bool
+    api: str,
+    plan: strategies.Plan,
+    *,
+    named: bool,
+    budgeted: bool,
+    fall_back: bool,
+    selected: bool = False,
 ) -> tuple[strategies.Plan, str | None]:
     """NOTE [ A plan worth its recompute ]
 
@@ -190,32 +201,48 @@ def _worth_its_recompute(
     if named:
         _warn_named(api, plan, stored, least)
     elif least >= stored:
-        largest = max(range(chain.n), key=lambda i: chain.saved_bytes[i])
-        share = chain.saved_bytes[largest] / max(sum(chain.saved_bytes), 1)
         said = (
             f"{api}: no plan lowers this model's predicted peak below storing everything "
-            f"({strategies.format_size(stored)}), so nothing is recomputed. Link "
-            f"{chain.names[largest]!r} keeps {share:.0%} of the saved activations and cannot "
-            "be split or recomputed here. Look into it with depth= (or where= to pick its "
-            "sub-layers), or leave the model as it is."
+            f"({strategies.format_size(stored)}), so nothing is recomputed. "
+            f"{_largest_link(chain, selected, alone=True)}, or leave the model as it is."
         )
     elif plan.segments and not budgeted:
         saving = 1 - plan.peak_bytes / stored
         kept = "nothing is recomputed" if fall_back else "its plan recomputes anyway"
+        if sum(chain.saved_bytes) < stored / 2:
+            why = (
+                "Most of this step is weights, their gradients and the optimizer's updates, "
+                "not activations: a larger batch leaves more to save"
+            )
+        else:
+            why = _largest_link(chain, selected)
         said = (
             f"{api}: the least peak a plan reaches, {strategies.format_size(plan.peak_bytes)}, "
             f"is only {saving:.0%} below storing everything "
             f"({strategies.format_size(stored)}), less than measured peaks vary "
-            f"({MIN_SAVING:.0%}), so {kept}. Most of this step is weights, their "
-            "gradients and the optimizer's updates, not activations: a larger batch leaves "
-            f"more to save. Pass budget= to plan to a budget anyway, e.g. "
-            f"{_share_hint(chain, stored)}."
+            f"({MIN_SAVING:.0%}), so {kept}. {why}. Pass budget= to plan to a budget anyway, "
+            f"e.g. {_share_hint(chain, stored)}."
         )
         if fall_back:
             plan = strategies.none(chain)
     if said is not None:
         warnings.warn(said, stacklevel=4)
     return plan, (said if not plan.segments else None)
+
+
+def _largest_link(chain: strategies.Chain, selected: bool, *, alone: bool = False) -> str:
+    """Which link keeps the most activations, and how to look into it (`alone`: no plan
+    recomputes it with a lower peak)."""
+    largest = max(range(chain.n), key=lambda i: chain.saved_bytes[i])
+    share = chain.saved_bytes[largest] / max(sum(chain.saved_bytes), 1)
+    look = (
+        "add it, or its sub-layers, to where=" if selected
+        else "look into it with depth= (or where= to pick its sub-layers)"
+    )  # fmt: skip
+    cannot = " and cannot be split or recomputed here" if alone else ""
+    return (
+        f"Link {chain.names[largest]!r} keeps {share:.0%} of the saved activations{cannot}: {look}"
+    )
 
 
 def _warn_named(api: str, plan: strategies.Plan, stored: int, least: int) -> None:
