@@ -182,3 +182,20 @@ def test_a_verified_recompute_that_stores_everything_says_so():
         tfrecompute.recompute(model, budget="1GiB", sample=sample, verify=True)
     assert not tfrecompute.checkpoints(model)
     assert "fits the budget 1.00 GiB" in tfrecompute.checkpoints(model).note
+
+
+def test_a_plan_for_an_xla_compiled_step_says_its_peaks_are_not_seen():
+    """Under jit_compile=True the prediction does not see XLA's buffers: planning warns
+    once per model, and a model compiled without XLA plans silently."""
+    layers = [keras.layers.Dense(256, activation="tanh") for _ in range(8)]
+    model = keras.Sequential([keras.Input((256,)), *layers])
+    model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    with pytest.warns(UserWarning, match=r"jit_compile=True: XLA places .* verify=True"):
+        tfrecompute.plan(model, batch_size=256)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tfrecompute.plan(model, batch_size=256)  # said once
+        model.compile(optimizer="sgd", loss="mse", jit_compile=False)
+        other = keras.models.clone_model(model)
+        other.compile(optimizer="sgd", loss="mse")
+        tfrecompute.plan(other, batch_size=256)
