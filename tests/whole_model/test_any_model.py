@@ -300,6 +300,54 @@ def test_a_layer_of_single_calls_in_code_stays_one_call():
     assert _recomputing(model, x) == len(blocks)
 
 
+class _Fuse(keras.layers.Layer):
+    """Called with the stage's residual beside its input, as DepthAnything's fusion
+    stages are."""
+
+    def __init__(self, width, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = keras.layers.Dense(width, activation="tanh")
+        self.outer = keras.layers.Dense(width, activation="tanh")
+
+    def call(self, x, residual):
+        return self.outer(self.inner(x) + residual)
+
+
+class _Fusions(keras.layers.Layer):
+    def __init__(self, width, **kwargs):
+        super().__init__(**kwargs)
+        self.stem = keras.layers.Dense(width)
+        self.stages = [_Fuse(width, name=f"fuse_{i}") for i in range(3)]
+
+    def call(self, x):
+        residual = self.stem(x)
+        for stage in self.stages:
+            x = stage(x, residual)
+        return x
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_task_around_a_backbone_checkpointed_in_place_with_extra_arguments(mode):
+    """keras-hub's task tests checkpoint the backbone, then the task built on it: the
+    task's profile meets in-place blocks called with more than their input (it raised
+    "takes extra arguments" on DepthAnything's depth estimator), and prices each from
+    its layer's own call."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((64,))
+    backbone = keras.Model(inputs, _Fusions(64, name="fusions")(inputs), name="backbone")
+    x = np.random.default_rng(0).normal(size=(256, 64)).astype("float32")
+    tfrecompute.recompute(backbone, where=_Fuse, sample=x)
+    blocks = tfrecompute.checkpoints(backbone).blocks
+    assert len(blocks) >= 2
+    task_inputs = keras.Input((64,))
+    task = keras.Model(task_inputs, keras.layers.Dense(4)(backbone(task_inputs)))
+    chain = tfrecompute.profile(task, sample=x)
+    fused = [i for i, name in enumerate(chain.names) if any(b.name in name for b in blocks)]
+    assert len(fused) == len(blocks) and all(chain.workspace_bytes[i] > 0 for i in fused)
+    recompute = lambda m: tfrecompute.recompute(m, sample=x)  # noqa: E731
+    assert_trains_like_before(task, x, mode, recompute)
+
+
 def test_a_subclassed_model_is_checkpointed_in_place():
     model, x, _ = _build("loop_transformer")
     chain = tfrecompute.profile(model, sample=x)

@@ -44,6 +44,7 @@ from tfrecompute.graph.trace import (
 )
 from tfrecompute.layers import RecomputeBlock
 from tfrecompute.layers.attention import attention_layers
+from tfrecompute.layers.in_place import checkpointed_in_place, unrouted
 from tfrecompute.layers.policy import planned_policies, policy_label, policy_scope, resolve_policy
 
 __all__ = [
@@ -506,16 +507,30 @@ def _call_memory(call: Call, batch_size: int) -> tuple[CallMemory, TracedStep | 
         call.layer, call.args, call.kwargs, call.outputs, batch_size
     )
     if isinstance(call.layer, RecomputeBlock):
-        memory = dataclasses.replace(memory, workspace_bytes=_block_workspace(call))
+        workspace = _block_workspace(call, batch_size)
+        memory = dataclasses.replace(memory, workspace_bytes=workspace)
     return memory, traced
 
 
-def _block_workspace(call: Call) -> int:
-    """The peak a block's backward adds: its layers recomputed, storing everything."""
+def _block_workspace(call: Call, batch_size: int) -> int:
+    """The peak a block's backward adds: its layers recomputed, storing everything.
+
+    An in-place block around a layer called with more than its input
+    (DepthAnything's fusion stages take the stage's residual beside it) is
+    priced from the layer's own call, traced past the block: what the layer
+    keeps storing everything and its backward's workspace.
+    """
     block = call.layer
     flat = keras.tree.flatten((call.args, call.kwargs))
     tensors = [t for t in flat if isinstance(t, keras.KerasTensor)]
     if len(call.args) != 1 or len(tensors) != len(keras.tree.flatten(call.args[0])):
+        if checkpointed_in_place(block.inner[0]):
+            layer = block.inner[0]
+            with unrouted(layer):
+                inner, _ = traced_call_memory(
+                    layer, call.args, call.kwargs, call.outputs, batch_size
+                )
+            return inner.kept_bytes + inner.workspace_bytes
         fail(
             "profile",
             f"the RecomputeBlock {block.name!r} in the model takes extra arguments, so "

@@ -58,6 +58,7 @@ __all__ = [
     "restored_on_error",
     "route_call",
     "suspended",
+    "unrouted",
 ]
 
 _MISSING = object()
@@ -150,6 +151,12 @@ def _bypassed(layer: Any) -> Iterator[None]:
         yield
     finally:
         _bypass.layers = active
+
+
+def unrouted(layer: Any) -> contextlib.AbstractContextManager[None]:
+    """Within it, calls of `layer` run the layer's own `call`, not the in-place block
+    routed around it (as the block itself runs it)."""
+    return _bypassed(layer)
 
 
 def _is_bypassed(layer: Any) -> bool:
