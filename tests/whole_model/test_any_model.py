@@ -302,15 +302,15 @@ def test_a_layer_of_single_calls_in_code_stays_one_call():
 
 class _Fuse(keras.layers.Layer):
     """Called with the stage's residual beside its input, as DepthAnything's fusion
-    stages are."""
+    stages are (by keyword, with a Python number)."""
 
     def __init__(self, width, **kwargs):
         super().__init__(**kwargs)
         self.inner = keras.layers.Dense(width, activation="tanh")
         self.outer = keras.layers.Dense(width, activation="tanh")
 
-    def call(self, x, residual):
-        return self.outer(self.inner(x) + residual)
+    def call(self, x, residual, scale=1.0):
+        return self.outer(self.inner(x) + scale * residual)
 
 
 class _Fusions(keras.layers.Layer):
@@ -322,7 +322,7 @@ class _Fusions(keras.layers.Layer):
     def call(self, x):
         residual = self.stem(x)
         for stage in self.stages:
-            x = stage(x, residual)
+            x = stage(x, residual=residual, scale=0.5)
         return x
 
 

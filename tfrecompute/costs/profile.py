@@ -44,6 +44,7 @@ from tfrecompute.graph.trace import (
 )
 from tfrecompute.layers import RecomputeBlock
 from tfrecompute.layers.attention import attention_layers
+from tfrecompute.layers.block import as_passed
 from tfrecompute.layers.in_place import checkpointed_in_place, unrouted
 from tfrecompute.layers.policy import planned_policies, policy_label, policy_scope, resolve_policy
 
@@ -526,10 +527,9 @@ def _block_workspace(call: Call, batch_size: int) -> int:
     if len(call.args) != 1 or len(tensors) != len(keras.tree.flatten(call.args[0])):
         if checkpointed_in_place(block.inner[0]):
             layer = block.inner[0]
+            args, kwargs = as_passed(call.args, call.kwargs)
             with unrouted(layer):
-                inner, _ = traced_call_memory(
-                    layer, call.args, call.kwargs, call.outputs, batch_size
-                )
+                inner, _ = traced_call_memory(layer, args, kwargs, call.outputs, batch_size)
             return inner.kept_bytes + inner.workspace_bytes
         fail(
             "profile",

@@ -46,7 +46,7 @@ from tfrecompute.layers.policy import (
 )
 from tfrecompute.layers.state import RecordingStatelessScope, snapshot
 
-__all__ = ["RecomputeBlock", "apply_in_order"]
+__all__ = ["RecomputeBlock", "apply_in_order", "as_passed"]
 
 
 _local = threading.local()
@@ -143,6 +143,17 @@ def _unroute(
     for index, value in python_args or []:
         positional.insert(index - 1, value)
     return tuple(positional), {**kwargs, **(tensor_kwargs or {}), **(python_kwargs or {})}
+
+
+def as_passed(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A single-layer block call's arguments as its caller passed them to the layer
+    (the block's input first; NOTE [ Extra call arguments ])."""
+    kwargs = dict(kwargs)
+    routed = [kwargs.pop(name, None) for name in _ROUTED]
+    extra, kwargs = _unroute(tuple(args[1:]), kwargs, *routed)
+    return (args[0], *extra), kwargs
 
 
 def _shape_to_spec(shape: Any, dtype: Any) -> Any:
