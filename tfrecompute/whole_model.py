@@ -113,7 +113,9 @@ def _warn_of_xla(api: str, model: Any) -> None:
     (`benchmarks/results/held_out.md`: 256.0 against 72.1 MiB). A plan is
     still made (XLA keeps the recompute, and blocks still save memory
     there), with a warning once per model; `verify=True` measures the
-    compiled step instead.
+    compiled step instead. Keras's default `jit_compile="auto"` resolves to
+    True on a machine with a GPU and no distribution strategy, for models
+    XLA supports (`Trainer._resolve_auto_jit_compile`); on CPU to False.
     """
     if getattr(model, "jit_compile", False) is not True or model in _warned_of_xla:
         return
@@ -122,8 +124,9 @@ def _warn_of_xla(api: str, model: Any) -> None:
         f"{api}: model {model.name!r} is compiled with jit_compile=True: XLA places the "
         "buffers of its training step itself, and the predicted peaks do not see them (a CNN "
         "compiled so measured 3.6x its predicted peak). Received: model.jit_compile=True (of "
-        "type bool). Measure the plan with verify=True and a budget, or compile with "
-        "jit_compile=False to plan from predictions.",
+        "type bool; Keras's default jit_compile='auto' is True on a single GPU). Measure the "
+        "plan with verify=True and a budget, or compile with jit_compile=False to plan from "
+        "predictions.",
         stacklevel=4,
     )
 
