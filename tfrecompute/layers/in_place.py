@@ -144,19 +144,15 @@ def _changes_of(target: Any) -> dict[str, _Change]:
 
 
 @contextlib.contextmanager
-def _bypassed(layer: Any) -> Iterator[None]:
+def unrouted(layer: Any) -> Iterator[None]:
+    """Within it, calls of `layer` run the layer's own `call`, not the in-place block
+    routed around it (as the block itself runs it)."""
     active: set[int] = getattr(_bypass, "layers", set())
     _bypass.layers = active | {id(layer)}
     try:
         yield
     finally:
         _bypass.layers = active
-
-
-def unrouted(layer: Any) -> contextlib.AbstractContextManager[None]:
-    """Within it, calls of `layer` run the layer's own `call`, not the in-place block
-    routed around it (as the block itself runs it)."""
-    return _bypassed(layer)
 
 
 def _is_bypassed(layer: Any) -> bool:
@@ -184,7 +180,7 @@ class _InPlaceBlock(RecomputeBlock):
 
     def _run_inner(self, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         layer = self.inner[0]
-        with _bypassed(layer), _without_activity_regularizer(layer):
+        with unrouted(layer), _without_activity_regularizer(layer):
             return super()._run_inner(inputs, *args, **kwargs)
 
 
