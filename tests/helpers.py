@@ -16,9 +16,9 @@ def quantize(model: Any, mode: str) -> None:
     """`model.quantize(mode)`, without Keras's garbage collection per dropped kernel.
 
     Keras's `Layer.__delattr__` runs `gc.collect()` for every variable it
-    removes, which `quantize` does for each float kernel: 0.5 s each once a
-    test process has traced a few models, growing with the heap (tests/costs/
-    test_quantized.py alone: 275 such collections took 136 of its 290 s).
+    removes, which `quantize` does for each float kernel; each collection
+    grows with the heap of a test process that has traced many models, and
+    they were most of tests/costs/test_quantized.py's time (profiled once).
     Nothing is left for those collections that a test needs collected.
     """
     collect = gc.collect

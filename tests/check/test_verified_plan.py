@@ -185,10 +185,10 @@ def test_a_verified_plan_replaces_calls_checkpointed_in_place_as_it_re_plans():
     from tests.any_models import tower_model
 
     keras.utils.set_random_seed(0)
-    # Activations, not weight gradients, dominate the step: its first plan
-    # measures about 0.6x of storing everything, well inside the budget less
-    # its 10% margin (at width 1024, batch 256, weight gradients dominated and
-    # the only plan measured 0.74x to 0.86x, in or out by the allocator's state).
+    # Activations, not weight gradients, dominate the step, so its first plan
+    # measures well inside the budget less its 10% margin (at width 1024,
+    # batch 256, weight gradients dominated and the only plan fell in or out
+    # of it by the allocator's state).
     model, (x, y) = tower_model(width=256, batch=2048)
     model.compile(optimizer="sgd", loss="mse")
     stored = tfrecompute.measure_step(model, x, y).peak_bytes

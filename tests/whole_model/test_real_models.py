@@ -47,9 +47,10 @@ REQUESTED_TOLERANCE = 0.15
 # while staying at -3% against the requested peak: at its peak a 4 MiB request
 # is handed a 6.25 MiB chunk in some runs and not in others.
 TOLERANCE = {"encoder": 0.25, "mobilenet_v2": 0.4, "resnet50": 0.4, "unet": 0.4}
-# U-Net's sqrt plan requested 70.5, 78 (9 times), 94 (5) and 102 MiB (5) over
-# 20 traced steps in one process, predicted 112: the largest of 5 missed the
-# 102 MiB order about one run in four (+19%); of 16, about one in a hundred.
+# U-Net's sqrt plan requests one of a few peaks by the order the inter-op
+# threads run in, the largest about one step in four (a one-off count over 20
+# traced steps, in the closing note of the change that set this): the largest
+# of 5 traces missed it about one run in four; of 16, about one in a hundred.
 TRACES = {"unet": 16}
 # Memory is measured on three of the four: ResNet50's steps are the longest to
 # trace, and benchmarks/prediction_accuracy.py measures all four (its results file).
