@@ -146,11 +146,13 @@ def test_max_batch_size_finds_the_largest_measured_fit_in_fresh_processes():
 
 def test_max_batch_size_with_optimal_beats_storing_everything():
     model = _chain_model()
+    # Storing everything measures about 16 MiB at batch 384 and 21 at 512; the plan at
+    # 512 measures 10.5 to 12.5 MiB by the allocator's state, well inside the budget.
     found = tfrecompute.max_batch_size(
-        model, _batch(8), budget=12 * MiB, multiple=128, isolate=False
+        model, _batch(8), budget=16 * MiB, multiple=128, isolate=False
     )
-    _assert_largest(found, 128, 12 * MiB)
-    assert found.batch_size > 256 and found.plan.segments
+    _assert_largest(found, 128, 16 * MiB)
+    assert found.batch_size >= 512 and found.plan.segments
     assert found.plan.chain.source.batch_size == found.batch_size
 
 
