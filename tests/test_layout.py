@@ -71,6 +71,8 @@ ORDER = [
     "tfrecompute.pipeline",
     "tfrecompute.check",
     "tfrecompute.check.measure",
+    "tfrecompute.check.twin",
+    "tfrecompute.check.calibrate",
     "tfrecompute.check.verified_plan",
     "tfrecompute.check.max_batch",
     "tfrecompute.check._probe",

@@ -18,6 +18,8 @@ import keras
 
 from tfrecompute import strategies
 from tfrecompute._messages import as_bool, fail
+from tfrecompute.check.calibrate import calibrated
+from tfrecompute.check.twin import check_compiled, labelled
 from tfrecompute.check.verified_plan import VerifiedPlan, planner
 from tfrecompute.check.verified_plan import verify as verify_plan
 from tfrecompute.costs.profile import ProfiledModel, profiled_model
@@ -58,7 +60,7 @@ def _resolve_plan(
     if budget is not None and batch_size is None and sample is None:
         check_batch_size(api, None, required_for="a memory budget")
     if isinstance(strategy, strategies.Plan):
-        for name in ("budget", "headroom", "where", "depth"):
+        for name in ("budget", "headroom", "where", "depth", "calibrate"):
             if options[name] is not None:
                 fail(
                     api,
@@ -73,6 +75,9 @@ def _resolve_plan(
         if strategy is None
         else strategies.get(strategy, api=api, argument="strategy")
     )
+    if options["calibrate"]:  # a measured step needs labels and the model's train step
+        labelled(api, sample)
+        check_compiled(api, model)
     # Without a batch size or a sample the bytes are those of one sample: the
     # proportions, which is all a budget-free strategy needs.
     chain = chain_of(
@@ -84,6 +89,8 @@ def _resolve_plan(
         where=options["where"],
         policy=options["policy"],
     )
+    if options["calibrate"]:
+        chain = calibrated(api, chain, model, sample)
     _warn_of_xla(api, model)
     made = strategies.plan_within(api, chosen, chain, budget, options["headroom"])
     alone = strategy is None and budget is None and options["where"] is None
@@ -147,6 +154,15 @@ def _verified(api: str, model: keras.Model, strategy: Any, options: dict[str, An
             "budget",
             options["budget"],
             'Pass budget= (e.g. budget="1GiB") and a strategy name, or verify=False',
+        )
+    if options["calibrate"]:
+        fail(
+            api,
+            "verify=True measures the checkpointed model's own step, so there is nothing to "
+            "calibrate",
+            "calibrate",
+            True,
+            "Pass verify=True or calibrate=True, not both",
         )
     if options["headroom"] is not None:
         fail(
@@ -401,6 +417,16 @@ _SHARED_ARGS = """
         where: make only the calls of these layers blocks, one block each: a
             layer class, a tuple of classes, a list of layer names, or a
             predicate `(layer) -> bool` (layers holding them are looked into).
+        calibrate: reconcile the predicted memory with one measured training
+            step storing everything before planning (NOTE [ Calibrating
+            against a measured step ] in `tfrecompute.check.calibrate`):
+            links keeping more than their traced calls show get the measured
+            bytes, and what the step holds beyond the links is added to every
+            moment. Needs a compiled Functional or Sequential model and
+            `sample=(x, y)`; the step runs on a twin with a fresh optimizer,
+            and the weights are restored. The plan's summary says whether its
+            memory was calibrated. Default False: predicted from the traced
+            calls only (quicker).
 """
 
 
@@ -415,6 +441,7 @@ def plan(
     depth: int | None = None,
     where: Any = None,
     policy: Any = None,
+    calibrate: bool = False,
 ) -> strategies.Plan:
     """Plans which calls of a model to recompute, without changing the model.
 
@@ -447,6 +474,7 @@ def plan(
         "depth": depth,
         "where": where,
         "policy": policy,
+        "calibrate": as_bool("plan", "calibrate", calibrate) or None,
     }
     _check_before_profiling("plan", model, options)
     return _resolve_plan("plan", model, strategy, options).plan
@@ -464,6 +492,7 @@ def recompute(
     where: Any = None,
     policy: Any = None,
     verify: bool = False,
+    calibrate: bool = False,
 ) -> keras.Model:
     """Checkpoints `model` itself: the plan's calls are recomputed in backprop.
 
@@ -542,6 +571,7 @@ def recompute(
         "depth": depth,
         "where": where,
         "policy": policy,
+        "calibrate": as_bool("recompute", "calibrate", calibrate) or None,
     }
     _check_before_profiling("recompute", model, options)
     alone = [value for name, value in options.items() if name != "policy" and value is not None]

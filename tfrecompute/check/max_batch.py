@@ -35,7 +35,8 @@ import numpy as np
 
 from tfrecompute import strategies
 from tfrecompute._messages import as_bool, as_positive_int, fail
-from tfrecompute.check.verified_plan import labelled, planner, verify
+from tfrecompute.check.twin import labelled
+from tfrecompute.check.verified_plan import planner, verify
 from tfrecompute.errors import InfeasibleBudgetError
 from tfrecompute.strategies.units import budget_bytes, budget_share
 

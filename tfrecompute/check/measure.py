@@ -452,14 +452,29 @@ def trace_step(
     print(trace.summary())
     ```
     """
-    x, y, spec = _prepare_step("trace_step", model, x, y, warmup=warmup, device=device)
+    step, events, spec = traced_events("trace_step", model, x, y, warmup=warmup, device=device)
+    replay = _replay(events)
+    return StepTrace(
+        peak_bytes=step.peak_bytes,
+        requested_peak_bytes=replay.requested_peak,
+        live_at_peak=replay.live_at_peak,
+        device=_device_name(spec),
+    )
+
+
+def traced_events(
+    api: str, model: keras.Model, x: Any, y: Any, *, warmup: int = 2, device: Any = None
+) -> tuple[_Step, list[tuple[str, dict[str, Any]]], tf.DeviceSpec]:
+    """One compiled train step under the profiler (see `trace_step`): the step, its
+    allocator's events in time order as `(name, stats)`, and the device traced."""
+    x, y, spec = _prepare_step(api, model, x, y, warmup=warmup, device=device)
     with tempfile.TemporaryDirectory(prefix="tfrecompute-trace-") as logdir:
         # The default host tracer level records the allocator's events.
         try:
             tf.profiler.experimental.start(logdir)
         except tf.errors.AlreadyExistsError as error:
             raise RuntimeError(
-                "trace_step: another TensorFlow profiler session is running, and TensorFlow "
+                f"{api}: another TensorFlow profiler session is running, and TensorFlow "
                 f"runs one at a time. {received('model', model, by_name=True)}. Stop it with "
                 "tf.profiler.experimental.stop() first."
             ) from error
@@ -477,7 +492,7 @@ def trace_step(
             "unset); cuda_malloc_async records no such events"
         )
         fail(
-            "trace_step",
+            api,
             f"the profiler recorded no allocation on {device}",
             "model",
             model,
@@ -485,10 +500,4 @@ def trace_step(
             error=RuntimeError,
             by_name=True,
         )
-    replay = _replay(events)
-    return StepTrace(
-        peak_bytes=step.peak_bytes,
-        requested_peak_bytes=replay.requested_peak,
-        live_at_peak=replay.live_at_peak,
-        device=device,
-    )
+    return step, events, spec

@@ -37,15 +37,15 @@ import numpy as np
 from tfrecompute import strategies
 from tfrecompute._messages import fail
 from tfrecompute.check.measure import measure_step
+from tfrecompute.check.twin import check_compiled, compiled_like, functional_twin, labelled
 from tfrecompute.costs.profile import ProfiledModel
 from tfrecompute.errors import InfeasibleBudgetError
-from tfrecompute.graph.layer_graph import declared_input, declared_output
 from tfrecompute.layers.in_place import Checkpoints, restored_on_error
 from tfrecompute.pipeline import apply_plan, chain_of, check_options
 from tfrecompute.strategies.plan import chain_budget
 from tfrecompute.strategies.units import check_budget, format_budget
 
-__all__ = ["Probe", "VerifiedPlan", "labelled", "planner", "verified_plan", "verify"]
+__all__ = ["Probe", "VerifiedPlan", "planner", "verified_plan", "verify"]
 
 MARGIN = 0.1  # a measured step fits when within (1 - MARGIN) of the budget
 AIM = 0.87  # the share of the budget a re-plan aims its measured peak at
@@ -104,52 +104,13 @@ class VerifiedPlan:
         return self.peak_bytes / self.budget_bytes
 
 
-def labelled(api: str, sample: Any) -> tuple[Any, Any]:
-    """`(x, y)` of a sample given as `(x, y)` or `(x, y, sample_weight)`; else an error."""
-    if not isinstance(sample, tuple) or len(sample) not in (2, 3) or sample[1] is None:
-        fail(
-            api,
-            "measuring a train step needs a sample batch with its labels",
-            "sample",
-            sample,
-            "Pass sample=(x, y) as passed to fit, with y one batch of targets",
-        )
-    return sample[0], sample[1]
-
-
-def _check_compiled(api: str, model: keras.Model) -> None:
-    """Raises unless `model` is compiled: its train step is what is measured."""
-    if not getattr(model, "compiled", False) or getattr(model, "optimizer", None) is None:
-        fail(
-            api,
-            "the model is not compiled, so its train step (optimizer and loss) is unknown",
-            "model",
-            model,
-            'Call model.compile(optimizer=..., loss=...) first, e.g. model.compile("sgd", "mse")',
-            by_name=True,
-        )
-
-
 def _measured(model: keras.Model, applied: Checkpoints | None) -> keras.Model:
     """A model that runs as `model` now does, to compile and measure without touching
     `model`'s own optimizer: the rebuilt model its call runs, else a Functional model
     over its graph (whose calls checkpointed in place run as in `model`)."""
     if applied is not None and applied.runtime is not None:
         return applied.runtime
-    return keras.Model(declared_input(model), declared_output(model), name=f"{model.name}_measured")
-
-
-def _compiled_like(api: str, model: keras.Model, rewritten: keras.Model) -> keras.Model:
-    """`rewritten`, compiled with a fresh copy of `model`'s optimizer and its loss."""
-    _check_compiled(api, model)
-    optimizer = type(model.optimizer).from_config(model.optimizer.get_config())
-    rewritten.compile(
-        optimizer=optimizer,
-        loss=model.loss,
-        jit_compile=bool(getattr(model, "jit_compile", False)),
-        run_eagerly=bool(getattr(model, "run_eagerly", False)),
-    )
-    return rewritten
+    return functional_twin(model)
 
 
 @dataclasses.dataclass
@@ -178,7 +139,7 @@ class _Planner:
         """Measures `plan`'s compiled step; the model's weights are restored afterwards."""
         values = [np.array(v.numpy()) for v in self.model.variables]
         try:
-            measured = _compiled_like(self.api, self.model, _measured(self.model, self.apply(plan)))
+            measured = compiled_like(self.api, self.model, _measured(self.model, self.apply(plan)))
             step = measure_step(measured, self.x, self.y, steps=2)
             state = _bytes(measured.variables) + _bytes(measured.optimizer.variables)
         finally:
@@ -204,7 +165,7 @@ def planner(
     """Checks the sample and the model, and profiles the model at the sample's shapes."""
     check_options(api, model, policy=policy, where=where)
     x, y = labelled(api, sample)
-    _check_compiled(api, model)
+    check_compiled(api, model)
     chosen = strategies.get(strategy, api=api, argument="strategy")
     chain = chain_of(api, model, sample, None, depth=depth, where=where, policy=policy)
     source = chain.source

@@ -116,6 +116,10 @@ class Chain:
             model's link map, so that `tfrecompute.recompute(model, plan)`
             rewrites a plan made on this chain without profiling the model
             again. None for a chain built by hand.
+        calibration: how the chain's bytes were reconciled with a measured
+            training step (`tfrecompute.check.calibrate.Calibration`, whose
+            `line()` a plan's summary prints), or None when they were not.
+            Not part of equality or repr.
 
     Example:
         >>> chain = Chain(1024, [2048, 2048, 512], [4096, 2048, 512], [1.0, 2.0, 0.5])
@@ -153,6 +157,7 @@ class Chain:
     more_policies: tuple[tuple[tuple[int, ...], tuple[float, ...]], ...] = ()
     policy_names: tuple[str, ...] = field(default=(), compare=False, repr=False)
     source: object = field(default=None, compare=False, repr=False)
+    calibration: object = field(default=None, compare=False, repr=False)
 
     def __init__(
         self,
@@ -179,6 +184,7 @@ class Chain:
         more_policies: Iterable[tuple[Iterable[int], Iterable[float]]] = (),
         policy_names: Iterable[str] = (),
         source: object = None,
+        calibration: object = None,
     ) -> None:
         """Validates and stores the costs; see the class docstring for the fields.
 
@@ -241,6 +247,7 @@ class Chain:
             ),
             **_policy_costs(policy_kept_bytes, policy_forward_cost, n),
             "source": source,
+            "calibration": calibration,
         }
         more = _more_policies(more_policies, fields["policy_kept_bytes"], n)
         fields["more_policies"] = more

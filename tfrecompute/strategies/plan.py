@@ -251,15 +251,21 @@ proven_optimal=False)
         total = chain.total_forward_cost
         share = 100.0 * self.recompute_cost / total if total > 0 else 0.0
         proof = " (proven optimal)" if self.proven_optimal else ""
-        return "\n".join(
-            [
-                f"Plan {self.strategy!r} for a chain of {chain.n} links{proof}",
-                table(header, rows),
-                f"Predicted peak: {format_size(self.peak_bytes)}",
-                f"Recompute cost: {_number(self.recompute_cost)} = {share:.1f}% of one forward "
-                f"pass (total forward cost {_number(total)})",
-            ]
-        )
+        lines = [
+            f"Plan {self.strategy!r} for a chain of {chain.n} links{proof}",
+            table(header, rows),
+            f"Predicted peak: {format_size(self.peak_bytes)}",
+            f"Recompute cost: {_number(self.recompute_cost)} = {share:.1f}% of one forward "
+            f"pass (total forward cost {_number(total)})",
+        ]
+        if chain.calibration is not None:
+            lines.append(chain.calibration.line())  # type: ignore[attr-defined]
+        elif chain.source is not None:
+            lines.append(
+                "Memory predicted from the model's traced calls, not measured "
+                "(calibrate=True reconciles it with one measured training step)"
+            )
+        return "\n".join(lines)
 
     def _row(self, s: int, e: int, recomputed: bool, state: int = 0) -> list[str]:
         """A row of `summary` for links `s..e-1`, its names left empty."""

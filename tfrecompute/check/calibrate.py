@@ -1,0 +1,285 @@
+"""A chain reconciled with the model's own measured training step.
+
+NOTE [ Calibrating against a measured step ]
+A chain's bytes are read from the model's traced calls; some of what a
+training step holds is not in them (a loop's per-step tensors, casts and
+copies TensorFlow adds, the optimizer's temporaries, the allocator's
+rounding). `calibrated` runs one compiled training step storing
+everything, on a twin of the model (the same layers as a Functional model,
+compiled with a fresh copy of its optimizer; the weights are restored
+afterwards), under TensorFlow's profiler, and reconciles the chain with it
+in two steps:
+
+1. What each link keeps for its backward: at the moment the forward's live
+   buffers are largest (the end of the forward, gradient ops aside), every
+   buffer a forward op allocated is placed on the link of the layer whose
+   name scope made it (each layer is named by its index for the traced
+   step, so scopes map back to layers without guessing). A link measured
+   keeping more than its `saved_bytes` gets the measured bytes; never less
+   (the CPU allocator's events leave out allocations under 256 KiB, so a
+   link measured keeping less may hold buffers the trace does not show).
+2. What the step holds beyond that: the allocator's peak of the step less
+   the reconciled chain's predicted peak of storing everything. When
+   positive, it is memory no link can be said to hold, and it is added to
+   every moment (`Chain.overhead_bytes`): plans are predicted
+   conservatively, and storing everything is predicted at its measured
+   peak. When negative (the chain predicts more than the step took), the
+   chain is left predicting more: the excess is reported, not placed.
+
+`Calibration.line()` says which of these happened, with their sizes; a
+plan's summary prints it. Only a model whose graph can be rebuilt as a
+Functional model can be calibrated (a subclassed model's call cannot).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import keras
+import numpy as np
+
+from tfrecompute import strategies
+from tfrecompute._messages import fail
+from tfrecompute.check.measure import traced_events
+from tfrecompute.check.twin import compiled_like, functional_twin, labelled
+from tfrecompute.costs.profile import ProfiledModel
+from tfrecompute.graph.trace import as_defined
+
+__all__ = ["Calibration", "calibrated"]
+
+_TOKEN = "tfrecompute_layer_"  # a layer's name while its step is traced: _TOKEN + index
+_SCOPE = re.compile(rf"^{_TOKEN}(\d+)(?:_\d+)*$")  # TensorFlow makes scopes unique by "_1"
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """How a chain was reconciled with a measured training step storing everything.
+
+    Attributes:
+        measured_bytes: the allocator's peak of the step.
+        predicted_bytes: the chain's predicted peak of storing everything before.
+        raised_bytes: per link, the bytes its measured kept buffers added to
+            its `saved_bytes` (0 for most links).
+        workspace_bytes: per link, the bytes its measured backward added to
+            its `workspace_bytes`: the most its gradient ops held at once, less
+            its input and weight gradients and the workspace traced.
+        unplaced_bytes: the measured peak above the reconciled prediction,
+            added to every moment of the chain (0 when the prediction was
+            above).
+        excess_bytes: the reconciled prediction above the measured peak, left
+            in the chain (0 when it was below).
+        seconds: the wall time the calibration took.
+    """
+
+    measured_bytes: int
+    predicted_bytes: int
+    raised_bytes: tuple[int, ...]
+    workspace_bytes: tuple[int, ...]
+    unplaced_bytes: int
+    excess_bytes: int
+    seconds: float
+
+    def line(self) -> str:
+        """One line for a plan's summary: what was measured and what changed."""
+        fmt = strategies.format_bytes
+        raised = [b for b in self.raised_bytes if b > 0]
+        parts = [
+            f"Memory calibrated against one measured training step storing everything: "
+            f"{fmt(self.measured_bytes)} measured, {fmt(self.predicted_bytes)} predicted from "
+            "the traced calls"
+        ]
+        if raised:
+            parts.append(f"{len(raised)} links keep {fmt(sum(raised))} more than traced")
+        wider = [b for b in self.workspace_bytes if b > 0]
+        if wider:
+            parts.append(
+                f"{len(wider)} links' backward needs up to {fmt(max(wider))} more than traced"
+            )
+        if self.unplaced_bytes:
+            parts.append(
+                f"{fmt(self.unplaced_bytes)} no link holds, added to every moment (conservative)"
+            )
+        if self.excess_bytes:
+            parts.append(f"still predicted {fmt(self.excess_bytes)} above the measured step")
+        return "; ".join(parts) + f" ({self.seconds:.1f} s)"
+
+
+def calibrated(
+    api: str, chain: strategies.Chain, model: keras.Model, sample: Any
+) -> strategies.Chain:
+    """`chain` reconciled with one measured training step of `model` storing everything
+    (NOTE [ Calibrating against a measured step ]); `model`'s weights and optimizer are
+    left as they were."""
+    start = time.perf_counter()
+    source = chain.source
+    if not isinstance(source, ProfiledModel) or source.graph.root is None:
+        fail(
+            api,
+            "calibrating measures a training step of the model rebuilt as a Functional model "
+            "over its graph, and a subclassed model's call cannot be rebuilt into one",
+            "calibrate",
+            True,
+            "Plan it without calibrate=True, or measure a plan with tfrecompute.measure_step",
+        )
+    x, y = labelled(api, sample)
+    link_of = _link_of_layer(source)
+    measured = _measured_step(api, model, (x, y), link_of, chain.n)
+    peak = measured.peak
+    raised = tuple(max(0, kept - saved) for kept, saved in zip(measured.kept, chain.saved_bytes))
+    workspace = tuple(
+        max(0, held - _traced_backward(chain, i)) for i, held in enumerate(measured.backward)
+    )
+    reconciled = dataclasses.replace(
+        chain,
+        saved_bytes=tuple(s + r for s, r in zip(chain.saved_bytes, raised)),
+        workspace_bytes=tuple(w + r for w, r in zip(chain.workspace_bytes, workspace)),
+    )
+    predicted = strategies.none(reconciled).peak_bytes
+    unplaced = max(0, peak - predicted)
+    calibration = Calibration(
+        measured_bytes=peak,
+        predicted_bytes=strategies.none(chain).peak_bytes,
+        raised_bytes=raised,
+        workspace_bytes=workspace,
+        unplaced_bytes=unplaced,
+        excess_bytes=max(0, predicted - peak),
+        seconds=time.perf_counter() - start,
+    )
+    return dataclasses.replace(
+        reconciled,
+        overhead_bytes=chain.overhead_bytes + unplaced,
+        calibration=calibration,
+    )
+
+
+def _traced_backward(chain: strategies.Chain, link: int) -> int:
+    """What the chain has a link's gradient ops hold: its input and weight gradients
+    and its workspace."""
+    grads = chain.kept_grad_bytes[link] + chain.applied_grad_bytes[link]
+    return chain.input_grad_bytes[link] + grads + chain.workspace_bytes[link]
+
+
+def _link_of_layer(source: ProfiledModel) -> dict[int, int]:
+    """The link of each layer the chain's calls are made by, by `id` (a layer called
+    in several links: its first)."""
+    link_of: dict[int, int] = {}
+    for link, (first, stop) in enumerate(source.links):
+        for call in source.graph.calls[first:stop]:
+            if isinstance(call.layer, keras.layers.Layer):
+                link_of.setdefault(id(call.layer), link)
+    return link_of
+
+
+@dataclasses.dataclass(frozen=True)
+class _Measured:
+    kept: list[int]  # per link, what its forward ops hold at the forward's largest moment
+    backward: list[int]  # per link, the most its gradient ops hold at once
+    peak: int  # the allocator's peak of the step
+
+
+def _measured_step(
+    api: str, model: keras.Model, batch: tuple[Any, Any], link_of: dict[int, int], n: int
+) -> _Measured:
+    """One training step of `model` storing everything, measured per link (NOTE [
+    Calibrating against a measured step ])."""
+    values = [np.array(v.numpy()) for v in model.variables]
+    try:
+        with as_defined(model):
+            twin = compiled_like(api, model, functional_twin(model))
+            layers = list(model._flatten_layers(include_self=False, recursive=True))
+            with _named_by_index(layers):
+                step, events, _ = traced_events(api, twin, *batch, warmup=1)
+    finally:
+        for variable, value in zip(model.variables, values):
+            variable.assign(value)
+    links = [link_of.get(id(layer)) for layer in layers]
+    kept = [0] * n
+    for op, size in _forward_at_its_largest(events):
+        link = _link_of_op(op, links)
+        if link is not None:
+            kept[link] += size
+    return _Measured(kept, _backward_transients(events, links, n), step.peak_bytes)
+
+
+def _backward_transients(
+    events: list[tuple[str, dict[str, Any]]], links: list[int | None], n: int
+) -> list[int]:
+    """Per link, the most bytes its layers' gradient ops held at once."""
+    live: dict[int, tuple[int, int]] = {}  # address -> (link, bytes)
+    held, most = [0] * n, [0] * n
+    for name, stats in events:
+        address = int(stats.get("addr", 0))
+        if name != "MemoryAllocation":
+            if address in live:
+                link, size = live.pop(address)
+                held[link] -= size
+            continue
+        op = str(stats.get("tf_op", ""))
+        link = _link_of_op(op, links) if op.startswith("gradient_tape/") else None
+        if link is not None:
+            size = int(stats.get("requested_bytes", 0))
+            live[address] = (link, size)
+            held[link] += size
+            most[link] = max(most[link], held[link])
+    return most
+
+
+@contextlib.contextmanager
+def _named_by_index(layers: list[Any]) -> Iterator[None]:
+    """Names each layer `_TOKEN + index` while the step is traced, so that an op's name
+    scopes say which layers made it."""
+    names = [layer.name for layer in layers]
+    try:
+        for index, layer in enumerate(layers):
+            layer.name = f"{_TOKEN}{index}"
+        yield
+    finally:
+        for layer, name in zip(layers, names):
+            layer.name = name
+
+
+def _forward_at_its_largest(events: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, int]]:
+    """`(op, requested bytes)` of the buffers forward ops (all but `gradient_tape/` ones)
+    allocated and still held at the moment those buffers were largest in total."""
+    best, best_at = 0, 0
+    for index, (_, total) in enumerate(_forward_live(events)):
+        if total > best:
+            best, best_at = total, index
+    for index, (live, _) in enumerate(_forward_live(events)):
+        if index == best_at:
+            return list(live.values())
+    return []
+
+
+def _forward_live(
+    events: list[tuple[str, dict[str, Any]]],
+) -> Iterator[tuple[dict[int, tuple[str, int]], int]]:
+    """After each event: the forward ops' live buffers by address, and their total."""
+    live: dict[int, tuple[str, int]] = {}
+    total = 0
+    for name, stats in events:
+        op, size = str(stats.get("tf_op", "")), int(stats.get("requested_bytes", 0))
+        address = int(stats.get("addr", 0))
+        if name == "MemoryAllocation":
+            if "gradient_tape" not in op:
+                live[address] = (op, size)
+                total += size
+        elif address in live:
+            total -= live.pop(address)[1]
+        yield live, total
+
+
+def _link_of_op(op: str, links: list[int | None]) -> int | None:
+    """The link of the innermost chain layer among `op`'s name scopes, if any."""
+    found = None
+    for scope in op.split("/"):
+        match = _SCOPE.match(scope)
+        index = int(match.group(1)) if match is not None else len(links)
+        if index < len(links) and links[index] is not None:
+            found = links[index]
+    return found
