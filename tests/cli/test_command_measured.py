@@ -60,6 +60,28 @@ def test_verify_needs_a_model_saved_compiled(saved, capsys):
     assert "the model was saved uncompiled" in capsys.readouterr().err
 
 
+def test_plan_calibrate_prints_what_the_measured_step_changed(saved, capsys):
+    assert main(["plan", saved["compiled"], "--batch-size", "512", "--calibrate"]) == 0
+    out = capsys.readouterr().out
+    found = re.search(
+        r"Memory calibrated against one measured training step storing everything: "
+        r"([0-9.]+) MiB measured, ([0-9.]+) MiB predicted",
+        out,
+    )
+    assert found, out
+    assert float(found.group(1)) > 8  # eight 1 MiB activations and their gradients
+    assert main(["plan", saved["compiled"], "--batch-size", "512"]) == 0
+    assert "not measured (calibrate=True" in capsys.readouterr().out
+
+
+def test_calibrate_errors_exit_as_verify_does(saved, capsys):
+    args = ["plan", saved["compiled"], "--batch-size", "8", "--budget", "8MiB"]
+    assert main([*args, "--verify", "--calibrate"]) == 2
+    assert "Pass --verify or --calibrate, not both" in capsys.readouterr().err
+    assert main(["plan", saved["uncompiled"], "--batch-size", "8", "--calibrate"]) == 1
+    assert "the model was saved uncompiled" in capsys.readouterr().err
+
+
 def test_max_batch_draws_a_bar_per_batch_size_and_fails_when_none_fits(saved, capsys):
     args = ["max-batch", saved["compiled"], "--budget", "1MiB", "--multiple", "64"]
     assert main(args) == 1

@@ -37,6 +37,7 @@ import contextlib
 import dataclasses
 import re
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -63,26 +64,37 @@ class Calibration:
     Attributes:
         measured_bytes: the allocator's peak of the step.
         predicted_bytes: the chain's predicted peak of storing everything before.
+        kept_bytes: per link, the bytes its layers' forward ops held at the
+            moment the forward's buffers were largest (what it keeps for its
+            backward, as measured).
+        held_bytes: per link, the most bytes its layers' ops (forward and
+            gradient) held at once over the step.
         raised_bytes: per link, the bytes its measured kept buffers added to
             its `saved_bytes` (0 for most links).
-        workspace_bytes: per link, the bytes its measured backward added to
-            its `workspace_bytes`: the most its gradient ops held at once, less
-            its input and weight gradients and the workspace traced.
+        workspace_bytes: per link, the bytes added to its `workspace_bytes`:
+            the most its ops held at once, less what the chain has it hold
+            at its backward (its kept bytes, input and weight gradients and
+            workspace).
         unplaced_bytes: the measured peak above the reconciled prediction,
             added to every moment of the chain (0 when the prediction was
             above).
         excess_bytes: the reconciled prediction above the measured peak, left
             in the chain (0 when it was below).
         seconds: the wall time the calibration took.
+        traced: the chain before calibration (predicted from the traced
+            calls only). Not part of equality or repr.
     """
 
     measured_bytes: int
     predicted_bytes: int
+    kept_bytes: tuple[int, ...]
+    held_bytes: tuple[int, ...]
     raised_bytes: tuple[int, ...]
     workspace_bytes: tuple[int, ...]
     unplaced_bytes: int
     excess_bytes: int
     seconds: float
+    traced: strategies.Chain | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def line(self) -> str:
         """One line for a plan's summary: what was measured and what changed."""
@@ -114,7 +126,28 @@ def calibrated(
 ) -> strategies.Chain:
     """`chain` reconciled with one measured training step of `model` storing everything
     (NOTE [ Calibrating against a measured step ]); `model`'s weights and optimizer are
-    left as they were."""
+    left as they were. A chain is calibrated once while its calibrated chain is in use
+    (`plan(..., calibrate=True)` then `recompute(...)` with the same sample measure
+    once; the pipeline keeps one chain per model and input signature)."""
+    known = _calibrations.get(id(chain))
+    done = known() if known is not None else None
+    if done is not None and done.calibration.traced is chain:  # type: ignore[attr-defined]
+        return done
+    made = _calibrated(api, chain, model, sample)
+    key = id(chain)
+    _calibrations[key] = weakref.ref(made, lambda _, key=key: _calibrations.pop(key, None))
+    return made
+
+
+# id of a traced chain -> its calibrated chain, which holds the traced chain (so the id
+# is not reused while the entry lives) and is held weakly.
+_calibrations: dict[int, weakref.ref[strategies.Chain]] = {}
+
+
+def _calibrated(
+    api: str, chain: strategies.Chain, model: keras.Model, sample: Any
+) -> strategies.Chain:
+    """`calibrated` without the cache: measures and reconciles."""
     start = time.perf_counter()
     source = chain.source
     if not isinstance(source, ProfiledModel) or source.graph.root is None:
@@ -131,24 +164,28 @@ def calibrated(
     measured = _measured_step(api, model, (x, y), link_of, chain.n)
     peak = measured.peak
     raised = tuple(max(0, kept - saved) for kept, saved in zip(measured.kept, chain.saved_bytes))
+    kept = dataclasses.replace(
+        chain, saved_bytes=tuple(s + r for s, r in zip(chain.saved_bytes, raised))
+    )
     workspace = tuple(
-        max(0, held - _traced_backward(chain, i)) for i, held in enumerate(measured.backward)
+        max(0, held - _traced_backward(kept, i)) for i, held in enumerate(measured.held)
     )
     reconciled = dataclasses.replace(
-        chain,
-        saved_bytes=tuple(s + r for s, r in zip(chain.saved_bytes, raised)),
-        workspace_bytes=tuple(w + r for w, r in zip(chain.workspace_bytes, workspace)),
+        kept, workspace_bytes=tuple(w + r for w, r in zip(chain.workspace_bytes, workspace))
     )
     predicted = strategies.none(reconciled).peak_bytes
     unplaced = max(0, peak - predicted)
     calibration = Calibration(
         measured_bytes=peak,
         predicted_bytes=strategies.none(chain).peak_bytes,
+        kept_bytes=tuple(measured.kept),
+        held_bytes=tuple(measured.held),
         raised_bytes=raised,
         workspace_bytes=workspace,
         unplaced_bytes=unplaced,
         excess_bytes=max(0, predicted - peak),
         seconds=time.perf_counter() - start,
+        traced=chain,
     )
     return dataclasses.replace(
         reconciled,
@@ -158,10 +195,11 @@ def calibrated(
 
 
 def _traced_backward(chain: strategies.Chain, link: int) -> int:
-    """What the chain has a link's gradient ops hold: its input and weight gradients
-    and its workspace."""
+    """What the chain has a link hold while its backward runs: what it keeps, its input
+    and weight gradients and its workspace."""
     grads = chain.kept_grad_bytes[link] + chain.applied_grad_bytes[link]
-    return chain.input_grad_bytes[link] + grads + chain.workspace_bytes[link]
+    held = chain.saved_bytes[link] + chain.input_grad_bytes[link]
+    return held + grads + chain.workspace_bytes[link]
 
 
 def _link_of_layer(source: ProfiledModel) -> dict[int, int]:
@@ -178,7 +216,7 @@ def _link_of_layer(source: ProfiledModel) -> dict[int, int]:
 @dataclasses.dataclass(frozen=True)
 class _Measured:
     kept: list[int]  # per link, what its forward ops hold at the forward's largest moment
-    backward: list[int]  # per link, the most its gradient ops hold at once
+    held: list[int]  # per link, the most its ops (forward and gradient) hold at once
     peak: int  # the allocator's peak of the step
 
 
@@ -203,13 +241,16 @@ def _measured_step(
         link = _link_of_op(op, links)
         if link is not None:
             kept[link] += size
-    return _Measured(kept, _backward_transients(events, links, n), step.peak_bytes)
+    return _Measured(kept, _most_held(events, links, n), step.peak_bytes)
 
 
-def _backward_transients(
+def _most_held(
     events: list[tuple[str, dict[str, Any]]], links: list[int | None], n: int
 ) -> list[int]:
-    """Per link, the most bytes its layers' gradient ops held at once."""
+    """Per link, the most bytes its layers' ops (forward and gradient) held at once: what
+    it keeps, less what its backward has released, plus its gradients and temporaries.
+    A coarse link (a whole transformer layer) releases what it keeps as its backward
+    runs, so its gradient ops' buffers alone would count its workspace twice."""
     live: dict[int, tuple[int, int]] = {}  # address -> (link, bytes)
     held, most = [0] * n, [0] * n
     for name, stats in events:
@@ -219,8 +260,7 @@ def _backward_transients(
                 link, size = live.pop(address)
                 held[link] -= size
             continue
-        op = str(stats.get("tf_op", ""))
-        link = _link_of_op(op, links) if op.startswith("gradient_tape/") else None
+        link = _link_of_op(str(stats.get("tf_op", "")), links)
         if link is not None:
             size = int(stats.get("requested_bytes", 0))
             live[address] = (link, size)

@@ -185,6 +185,12 @@ def _strategy_options(sub: argparse.ArgumentParser, default: str) -> None:
         help="run the plan's compiled train step (the model saved compiled) and re-plan "
         "until the measured step fits the --budget; headroom then comes from the measurement",
     )
+    sub.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="reconcile the predicted memory with one measured train step storing everything "
+        "(the model saved compiled) before planning",
+    )
 
 
 def _measure_flags(profile: argparse.ArgumentParser) -> None:
@@ -319,6 +325,12 @@ def _check_options(command: str, args: argparse.Namespace) -> None:
             _budget(command, args.budget)
         _strategy(command, args.strategy)
     if getattr(args, "verify", False):
+        if args.calibrate:
+            raise CliError(
+                f"tfrecompute {command}: --verify measures the checkpointed model's own step, "
+                "so there is nothing to calibrate. Pass --verify or --calibrate, not both.",
+                code=2,
+            )
         if args.budget is None:
             raise CliError(
                 f"tfrecompute {command}: --verify measures a plan made for a budget. "
@@ -505,7 +517,19 @@ def _chain(
             policy=getattr(args, "policy", None),
             measure=_measure_options(args),
         )
+    if getattr(args, "calibrate", False):
+        chain = _calibrated(command, args, loaded.model, chain)
     return loaded.model, chain
+
+
+def _calibrated(command: str, args: argparse.Namespace, model: Any, chain: Any) -> Any:
+    """`--calibrate`: the chain reconciled with one measured train step storing everything."""
+    from tfrecompute.check.calibrate import calibrated
+
+    _compile_saved(command, args, model)
+    with _library_errors():
+        sample = _labelled_batch(model, args.batch_size, args.dim)
+        return calibrated(f"tfrecompute {command}", chain, model, sample)
 
 
 def _measure_options(args: argparse.Namespace) -> dict[str, Any]:

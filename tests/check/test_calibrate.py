@@ -1,0 +1,145 @@
+"""calibrate=True: the memory model reconciled with one measured training step."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+import tfrecompute
+from tfrecompute import strategies
+
+MiB = 2**20
+
+
+def _cnn(*, jit_compile: bool = False, optimizer: str = "sgd") -> tuple[keras.Model, tuple]:
+    """Conv, BatchNormalization and ReLU blocks: every activation 2 MiB (the CPU
+    allocator's events leave out buffers under 256 KiB)."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((64, 64, 3))
+    h = inputs
+    for _ in range(4):
+        h = keras.layers.Conv2D(16, 3, padding="same", use_bias=False)(h)
+        h = keras.layers.BatchNormalization()(h)
+        h = keras.layers.ReLU()(h)
+    outputs = keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(h))
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer=optimizer, loss="mse", jit_compile=jit_compile)
+    rng = np.random.default_rng(0)
+    x = rng.random((32, 64, 64, 3), dtype="float32")
+    return model, (x, rng.random((32, 10), dtype="float32"))
+
+
+def test_every_link_is_placed_and_storing_everything_is_predicted_as_measured():
+    model, sample = _cnn()
+    traced = tfrecompute.plan(model, "sqrt", sample=sample)
+    planned = tfrecompute.plan(model, "sqrt", sample=sample, calibrate=True)
+    chain, calibration = planned.chain, planned.chain.calibration
+    assert traced.chain.calibration is None and calibration is not None
+    # Each layer's buffers were found by its name scope: what a link keeps, as measured,
+    # is what its traced calls say (the convolutions' outputs and BatchNorm+ReLU's).
+    for name, saved, kept in zip(chain.names, traced.chain.saved_bytes, calibration.kept_bytes):
+        if saved >= MiB:
+            assert kept == pytest.approx(saved, rel=0.05), name
+    # BatchNormalization's backward holds more than its traced gradient graph shows
+    # (one more buffer the size of its input, but the last's, whose incoming gradient
+    # is the pooling's broadcast).
+    normalized = [i for i, name in enumerate(chain.names) if name.startswith("batch_norm")]
+    assert all(calibration.workspace_bytes[i] >= 2 * MiB for i in normalized[:-1])
+    assert calibration.workspace_bytes[0] == 0  # a convolution's backward is as traced
+    stored = strategies.none(chain).peak_bytes
+    assert stored >= calibration.measured_bytes  # by construction: never below the step
+    assert stored == max(calibration.measured_bytes, stored - calibration.unplaced_bytes)
+    # Calibrating only adds what was measured: every plan is predicted at least as high.
+    assert planned.peak_bytes >= strategies.simulate(traced.chain, planned.segments).peak_bytes
+
+
+def test_a_step_compiled_by_xla_is_predicted_from_its_measurement():
+    """XLA places its buffers itself: the traced calls see a fraction of the step."""
+    model, sample = _cnn(jit_compile=True)
+    with pytest.warns(UserWarning, match="jit_compile=True"):
+        traced = tfrecompute.plan(model, "none", sample=sample)
+    calibrated = tfrecompute.plan(model, "none", sample=sample, calibrate=True)
+    measured = tfrecompute.measure_step(model, *sample).peak_bytes
+    assert traced.peak_bytes < 0.8 * measured  # 82 of 128 MiB here
+    assert calibrated.peak_bytes == pytest.approx(measured, rel=0.15)
+    assert calibrated.chain.calibration.unplaced_bytes > 0
+    assert "added to every moment" in calibrated.summary()
+
+
+def test_calibrating_leaves_the_model_and_its_training_as_they_were():
+    model, sample = _cnn(optimizer="adamw")
+    control, _ = _cnn(optimizer="adamw")
+    names = [layer.name for layer in model._flatten_layers()]
+    control.set_weights(model.get_weights())
+    plan = tfrecompute.plan(model, "sqrt", sample=sample, calibrate=True)
+    assert [layer.name for layer in model._flatten_layers()] == names
+    assert int(model.optimizer.iterations.numpy()) == 0
+    assert not model.optimizer.built or all(
+        not np.any(v.numpy()) for v in model.optimizer.variables if "iteration" not in v.path
+    )
+    for ours, theirs in zip(model.get_weights(), control.get_weights()):
+        np.testing.assert_array_equal(ours, theirs)
+    tfrecompute.recompute(model, plan)
+    ours = model.fit(*sample, batch_size=16, epochs=2, shuffle=False, verbose=0).history["loss"]
+    theirs = control.fit(*sample, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    np.testing.assert_allclose(ours, theirs.history["loss"], rtol=1e-5)
+    for a, b in zip(model.get_weights(), control.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_a_failed_calibration_restores_the_layer_names_and_weights():
+    model, (x, _) = _cnn()
+    names = [layer.name for layer in model._flatten_layers()]
+    weights = model.get_weights()
+    with pytest.raises(Exception, match=r"(?i)shape|incompatible|dimensions"):
+        tfrecompute.plan(model, "sqrt", sample=(x, np.zeros((32, 3), "float32")), calibrate=True)
+    assert [layer.name for layer in model._flatten_layers()] == names
+    for ours, theirs in zip(model.get_weights(), weights):
+        np.testing.assert_array_equal(ours, theirs)
+
+
+def test_a_plan_says_how_its_memory_was_predicted_and_a_chain_is_measured_once():
+    model, sample = _cnn()
+    assert "not measured (calibrate=True" in tfrecompute.plan(model, sample=sample).summary()
+    first = tfrecompute.plan(model, sample=sample, calibrate=True)
+    summary = first.summary()
+    assert "Memory calibrated against one measured training step storing everything" in summary
+    again = tfrecompute.plan(model, "sqrt", budget=0.9, sample=sample, calibrate=True)
+    assert again.chain is first.chain  # measured once while the calibrated chain is in use
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"sample": None, "batch_size": 32}, r"plan: measuring a train step needs a sample"),
+        ({"strategy": "plan"}, r"a Plan already fixes the segments, so a calibrate has no"),
+        ({"calibrate": 1}, r"plan: `calibrate` must be a bool\. Received: calibrate=1"),
+    ],
+)
+def test_calibrate_checks_its_arguments(options, match):
+    model, sample = _cnn()
+    arguments = {"sample": sample, "calibrate": True, **options}
+    if arguments.pop("strategy", None) == "plan":
+        arguments["strategy"] = tfrecompute.plan(model, "sqrt", sample=sample)
+    with pytest.raises((TypeError, ValueError), match=match):
+        tfrecompute.plan(model, **arguments)
+
+
+def test_calibrate_needs_a_compiled_model_and_not_verify():
+    model, sample = _cnn()
+    uncompiled = keras.Model(model.inputs, model.outputs)
+    with pytest.raises(ValueError, match=r"plan: the model is not compiled"):
+        tfrecompute.plan(uncompiled, sample=sample, calibrate=True)
+    with pytest.raises(ValueError, match=r"recompute: verify=True measures the checkpointed"):
+        tfrecompute.recompute(model, budget=0.5, sample=sample, verify=True, calibrate=True)
+
+
+def test_a_subclassed_model_cannot_be_calibrated():
+    from tests.any_models import loop_transformer
+
+    keras.utils.set_random_seed(0)
+    model, sample = loop_transformer(layers=2, hidden=32, sequence=8)
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match=r"plan: calibrating measures a training step of the"):
+        tfrecompute.plan(model, sample=sample, calibrate=True)
