@@ -408,7 +408,8 @@ _SHARED_ARGS = """
             dtypes are read.
         headroom: the share of `budget` left for the allocator's rounding of
             chunks: the predicted peak stays under `budget * (1 - headroom)`
-            (default `strategies.DEFAULT_HEADROOM`, 0.3, and 0 for a share
+            (default `strategies.DEFAULT_HEADROOM`, 0.3; 0.1 calibrated,
+            `strategies.CALIBRATED_HEADROOM`; and 0 for a share
             of storing everything; 0 plans to the budget itself). Only with
             a budget.
         depth: how many levels of nested calls to look into below the
@@ -624,7 +625,7 @@ def _say_stored(
         fix = f"Pass a lower budget to save memory, e.g. {_share_hint(plan.chain, stored)}"
     elif budget is not None:
         total = chain_budget(api, plan.chain, budget)
-        share = headroom_of(api, budget, headroom)
+        share = headroom_of(api, budget, headroom, plan.chain)
         why = (
             f"the budget {format_budget(budget, total)}, less {float(share):.0%} headroom, holds "
             f"the predicted peak of storing everything, {fmt(stored)}"

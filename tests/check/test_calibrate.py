@@ -8,6 +8,7 @@ import pytest
 
 import tfrecompute
 from tfrecompute import strategies
+from tfrecompute.strategies.headroom import headroom_of
 
 MiB = 2**20
 
@@ -143,3 +144,14 @@ def test_a_subclassed_model_cannot_be_calibrated():
     model.compile(optimizer="sgd", loss="mse")
     with pytest.raises(ValueError, match=r"plan: calibrating measures a training step of the"):
         tfrecompute.plan(model, sample=sample, calibrate=True)
+
+
+def test_a_calibrated_budget_keeps_a_tenth_for_the_variation_between_steps():
+    model, sample = _cnn()
+    calibrated = tfrecompute.plan(model, "none", sample=sample, calibrate=True).chain
+    stored = strategies.none(calibrated).peak_bytes
+    budget = int(stored / 0.85)  # holds storing everything less 10%, not less 30%
+    assert not tfrecompute.plan(model, budget=budget, sample=sample, calibrate=True).segments
+    assert tfrecompute.plan(model, budget=budget, sample=sample).segments
+    assert headroom_of("plan", budget, None, calibrated) == pytest.approx(0.1)
+    assert headroom_of("plan", budget, None, calibrated.calibration.traced) == pytest.approx(0.3)

@@ -351,7 +351,7 @@ def _planned_budget(command: str, args: argparse.Namespace, chain: Any) -> plots
     if total is None:
         return None
     given = None if args.headroom is None else float(args.headroom)
-    share = headroom_of(f"tfrecompute {command}", args.budget, given)
+    share = headroom_of(f"tfrecompute {command}", args.budget, given, chain)
     planned = max(math.floor(total * (1 - share)), 1)
     return plots.Budget(_budget_text(args.budget), total, planned)
 
@@ -756,7 +756,7 @@ def _cmd_frontier(args: argparse.Namespace) -> int:
     _check_options("frontier", args)
     figure_class = _figure_class() if args.plot else None  # before the model loads
     model, chain = _chain("frontier", args)
-    label = _chosen_label(args)
+    label = _chosen_label(args, chain)
     infeasible = None
     try:
         chosen, measured, budget = _choice("frontier", model, chain, args, label)
@@ -825,13 +825,13 @@ def _print_measured(measured: dict[str, int], budget: plots.Budget | None) -> No
         print(f"{name}: measured train step {strategies.format_bytes(peak)}{share}")
 
 
-def _chosen_label(args: argparse.Namespace) -> str:
+def _chosen_label(args: argparse.Namespace, chain: Any = None) -> str:
     if not args.budget:
         return str(args.strategy)
     if args.verify:
         return f"{args.strategy} @ {args.budget} (verified)"
     headroom = None if args.headroom is None else float(args.headroom)
-    share = float(headroom_of("tfrecompute", args.budget, headroom))
+    share = float(headroom_of("tfrecompute", args.budget, headroom, chain))
     return f"{args.strategy} @ {_budget_text(args.budget)} (headroom {share:g})"
 
 
@@ -850,7 +850,7 @@ def _cmd_timeline(args: argparse.Namespace) -> int:
     _check_options("timeline", args)
     figure_class = _figure_class() if args.plot else None  # before the model loads
     model, chain = _chain("timeline", args)
-    label = _chosen_label(args)
+    label = _chosen_label(args, chain)
     chosen, measured, budget = _choice("timeline", model, chain, args, label)
     base = strategies.none(chain)
     rows = []

@@ -27,7 +27,7 @@ Example:
 from tfrecompute.errors import InfeasibleBudgetError
 from tfrecompute.strategies.basic import heuristic, none, sqrt, uniform
 from tfrecompute.strategies.chain import Chain
-from tfrecompute.strategies.headroom import DEFAULT_HEADROOM, plan_within
+from tfrecompute.strategies.headroom import CALIBRATED_HEADROOM, DEFAULT_HEADROOM, plan_within
 from tfrecompute.strategies.optimize import DEFAULT_MAX_WORK, frontier, min_peak, optimal
 from tfrecompute.strategies.plan import Budget, Plan, Strategy
 from tfrecompute.strategies.registry import available, get
@@ -35,6 +35,7 @@ from tfrecompute.strategies.simulate import Estimate, MemoryEvent, simulate, tim
 from tfrecompute.strategies.units import format_bytes, format_size, parse_budget
 
 __all__ = [
+    "CALIBRATED_HEADROOM",
     "DEFAULT_HEADROOM",
     "DEFAULT_MAX_WORK",
     "Budget",

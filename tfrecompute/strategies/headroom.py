@@ -14,7 +14,13 @@ from tfrecompute.strategies.chain import Chain
 from tfrecompute.strategies.plan import Plan, chain_budget
 from tfrecompute.strategies.units import budget_share, format_budget, format_size
 
-__all__ = ["DEFAULT_HEADROOM", "check_headroom", "headroom_of", "plan_within"]
+__all__ = [
+    "CALIBRATED_HEADROOM",
+    "DEFAULT_HEADROOM",
+    "check_headroom",
+    "headroom_of",
+    "plan_within",
+]
 
 DEFAULT_HEADROOM = 0.3
 """Share of a model's budget the planner leaves for the allocator's rounding.
@@ -42,6 +48,18 @@ without headroom unless one is given: it is a share of a prediction, and the
 plan's predicted peak is held to that share of it directly (`budget=0.5`: a
 plan predicted at half of storing everything), the allocator's rounding
 weighing on both sides.
+"""
+
+
+CALIBRATED_HEADROOM = 0.1
+"""Share of a model's budget left when the chain is calibrated (`Chain.calibration`).
+
+A calibrated chain predicts storing everything at its measured allocator
+peak (NOTE [ Calibrating against a measured step ] in
+tfrecompute/check/calibrate.py): the rounding of that step is in the
+prediction, and what is left is how much one plan's peak varies from step to
+step, about 10% (the margin a verified plan keeps, NOTE [ Re-planning with
+the measured correction ]).
 """
 
 
@@ -94,7 +112,7 @@ def plan_within(
             )
         return strategy(chain, budget=None)
     total = chain_budget(api, chain, budget)
-    share = headroom_of(api, budget, headroom)
+    share = headroom_of(api, budget, headroom, chain)
     planned = math.floor(total * (1 - share))
     try:
         return strategy(chain, budget=max(planned, 1))
@@ -111,9 +129,10 @@ def plan_within(
         raise InfeasibleBudgetError(message, budget=total, minimum=least) from None
 
 
-def headroom_of(api: str, budget: object, headroom: object) -> Fraction:
+def headroom_of(api: str, budget: object, headroom: object, chain: Chain | None = None) -> Fraction:
     """The headroom `budget` is planned with: `headroom` if given, else `DEFAULT_HEADROOM`
-    for bytes and 0 for a share of storing everything (NOTE [ Budget headroom ]).
+    for bytes (`CALIBRATED_HEADROOM` for a calibrated `chain`) and 0 for a share of
+    storing everything (NOTE [ Budget headroom ]).
 
     Example:
         >>> float(headroom_of("plan", "2GiB", None)), float(headroom_of("plan", 0.5, None))
@@ -122,7 +141,10 @@ def headroom_of(api: str, budget: object, headroom: object) -> Fraction:
     if headroom is not None:
         return check_headroom(api, headroom)
     shared = budget is not None and budget_share(budget, api=api, name="budget") is not None
-    return Fraction(0) if shared else check_headroom(api, DEFAULT_HEADROOM)
+    if shared:
+        return Fraction(0)
+    calibrated = chain is not None and chain.calibration is not None
+    return check_headroom(api, CALIBRATED_HEADROOM if calibrated else DEFAULT_HEADROOM)
 
 
 def check_headroom(api: str, value: Any) -> Fraction:
