@@ -7,14 +7,18 @@ from tests.helpers import run_benchmark_smoke
 
 def test_smoke_run_measures_each_plan_in_its_own_process(tmp_path):
     report, table = run_benchmark_smoke("held_out", tmp_path)
-    rows = {(r["model"], r["plan"]): r for r in report["rows"]}
-    assert set(rows) == {("gru_lm", "none"), ("gru_lm", "sqrt")}
-    assert rows[("gru_lm", "none")]["segments"] == 0 < rows[("gru_lm", "sqrt")]["segments"]
+    rows = {(r["model"], r["plan"], r["memory"]): r for r in report["rows"]}
+    assert set(rows) == {
+        ("gru_lm", plan, memory) for plan in ("none", "sqrt") for memory in ("traced", "calibrated")
+    }
+    for memory in ("traced", "calibrated"):
+        assert rows[("gru_lm", "none", memory)]["segments"] == 0
+        assert rows[("gru_lm", "sqrt", memory)]["segments"] > 0
     for row in rows.values():
         assert row["predicted_bytes"] > 0 and row["measured_bytes"] > 0
         assert row["requested_bytes"] > 0 and row["planning_cpu_seconds"] > 0
         assert abs(row["error"] - (row["predicted_bytes"] / row["measured_bytes"] - 1)) < 1e-9
     assert len(report["runs"]) == 1 and report["runs"][0]["models"] == ["gru_lm"]
     assert report["failed"] == []
-    assert "| gru_lm | adam |" in table and "Within 10% of the allocator" in table
-    assert "measured above storing everything" in table
+    assert "| gru_lm | adam |" in table and "- calibrated: within 10% of the allocator" in table
+    assert "Default plans (calibrated) that recompute something and measured above" in table

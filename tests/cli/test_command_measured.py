@@ -64,14 +64,14 @@ def test_plan_calibrate_prints_what_the_measured_step_changed(saved, capsys):
     assert main(["plan", saved["compiled"], "--batch-size", "512", "--calibrate"]) == 0
     out = capsys.readouterr().out
     found = re.search(
-        r"Memory calibrated against one measured training step storing everything: "
-        r"([0-9.]+) MiB measured, ([0-9.]+) MiB predicted",
+        r"Memory calibrated by a measured step storing everything: ([0-9.]+) MiB "
+        r"\(traced calls: ([0-9.]+) MiB",
         out,
     )
     assert found, out
     assert float(found.group(1)) > 8  # eight 1 MiB activations and their gradients
     assert main(["plan", saved["compiled"], "--batch-size", "512"]) == 0
-    assert "not measured (calibrate=True" in capsys.readouterr().out
+    assert "not measured (calibrate=True)" in capsys.readouterr().out
 
 
 def test_calibrate_errors_exit_as_verify_does(saved, capsys):

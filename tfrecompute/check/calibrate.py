@@ -97,28 +97,26 @@ class Calibration:
     traced: strategies.Chain | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def line(self) -> str:
-        """One line for a plan's summary: what was measured and what changed."""
+        """A plan summary's lines: what was measured, then what it changed, one per line."""
         fmt = strategies.format_bytes
-        raised = [b for b in self.raised_bytes if b > 0]
-        parts = [
-            f"Memory calibrated against one measured training step storing everything: "
-            f"{fmt(self.measured_bytes)} measured, {fmt(self.predicted_bytes)} predicted from "
-            "the traced calls"
+        lines = [
+            f"Memory calibrated by a measured step storing everything: {fmt(self.measured_bytes)}"
+            f" (traced calls: {fmt(self.predicted_bytes)}; {self.seconds:.1f} s)"
         ]
+        raised = [b for b in self.raised_bytes if b > 0]
         if raised:
-            parts.append(f"{len(raised)} links keep {fmt(sum(raised))} more than traced")
+            lines.append(f"  {len(raised)} links keep {fmt(sum(raised))} more than traced")
         wider = [b for b in self.workspace_bytes if b > 0]
         if wider:
-            parts.append(
-                f"{len(wider)} links' backward needs up to {fmt(max(wider))} more than traced"
-            )
+            most = fmt(max(wider))
+            lines.append(f"  {len(wider)} links hold up to {most} more at their backward")
         if self.unplaced_bytes:
-            parts.append(
-                f"{fmt(self.unplaced_bytes)} no link holds, added to every moment (conservative)"
+            lines.append(
+                f"  {fmt(self.unplaced_bytes)} no link holds, added to every moment (conservative)"
             )
         if self.excess_bytes:
-            parts.append(f"still predicted {fmt(self.excess_bytes)} above the measured step")
-        return "; ".join(parts) + f" ({self.seconds:.1f} s)"
+            lines.append(f"  still predicted {fmt(self.excess_bytes)} above the measured step")
+        return "\n".join(lines)
 
 
 def calibrated(

@@ -261,10 +261,7 @@ proven_optimal=False)
         if chain.calibration is not None:
             lines.append(chain.calibration.line())  # type: ignore[attr-defined]
         elif chain.source is not None:
-            lines.append(
-                "Memory predicted from the model's traced calls, not measured "
-                "(calibrate=True reconciles it with one measured training step)"
-            )
+            lines.append("Memory predicted from the traced calls, not measured (calibrate=True)")
         return "\n".join(lines)
 
     def _row(self, s: int, e: int, recomputed: bool, state: int = 0) -> list[str]:
