@@ -50,7 +50,7 @@ def test_every_link_is_placed_and_storing_everything_is_predicted_as_measured():
     assert calibration.workspace_bytes[0] == 0  # a convolution's backward is as traced
     stored = strategies.none(chain).peak_bytes
     assert stored >= calibration.measured_bytes  # by construction: never below the step
-    assert stored == max(calibration.measured_bytes, stored - calibration.unplaced_bytes)
+    assert calibration.excess_bytes or stored == pytest.approx(calibration.measured_bytes, 1e-3)
     # Calibrating only adds what was measured: every plan is predicted at least as high.
     assert planned.peak_bytes >= strategies.simulate(traced.chain, planned.segments).peak_bytes
 
@@ -64,8 +64,8 @@ def test_a_step_compiled_by_xla_is_predicted_from_its_measurement():
     measured = tfrecompute.measure_step(model, *sample).peak_bytes
     assert traced.peak_bytes < 0.8 * measured  # 82 of 128 MiB here
     assert calibrated.peak_bytes == pytest.approx(measured, rel=0.15)
-    assert calibrated.chain.calibration.unplaced_bytes > 0
-    assert "no link holds, added to every moment" in calibrated.summary()
+    assert calibrated.chain.calibration.rounding > 1.2  # XLA's buffers, in proportion
+    assert "more: the allocator's rounding, buffers unseen" in calibrated.summary()
 
 
 def test_calibrating_leaves_the_model_and_its_training_as_they_were():

@@ -406,6 +406,11 @@ def _replay(events: list[tuple[str, dict[str, Any]]]) -> _Replay:
     )
 
 
+def requested_peak(events: list[tuple[str, dict[str, Any]]]) -> int:
+    """The most bytes the traced buffers requested at once, above the first event's start."""
+    return _replay(events).requested_peak
+
+
 def trace_step(
     model: keras.Model,
     x: Any,
