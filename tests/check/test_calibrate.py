@@ -136,14 +136,25 @@ def test_calibrate_needs_a_compiled_model_and_not_verify():
         tfrecompute.recompute(model, budget=0.5, sample=sample, verify=True, calibrate=True)
 
 
-def test_a_subclassed_model_cannot_be_calibrated():
+def test_a_subclassed_model_is_calibrated_through_a_model_that_calls_it():
     from tests.any_models import loop_transformer
 
     keras.utils.set_random_seed(0)
-    model, sample = loop_transformer(layers=2, hidden=32, sequence=8)
-    model.compile(optimizer="sgd", loss="mse")
-    with pytest.raises(ValueError, match=r"plan: calibrating measures a training step of the"):
-        tfrecompute.plan(model, sample=sample, calibrate=True)
+    model, sample = loop_transformer(layers=2, hidden=256, sequence=128, batch=8)
+    model.compile(optimizer="adamw", loss="mse")
+    weights = model.get_weights()
+    traced = tfrecompute.plan(model, sample=sample)
+    planned = tfrecompute.plan(model, sample=sample, calibrate=True)
+    calibration = planned.chain.calibration
+    # Each block's buffers were found under the subclassed model's own scopes.
+    blocks = [i for i, name in enumerate(planned.chain.names) if "block" in name]
+    assert blocks and all(calibration.kept_bytes[i] >= 2**20 for i in blocks)
+    for i in blocks:
+        assert calibration.kept_bytes[i] == pytest.approx(traced.chain.saved_bytes[i], rel=0.25)
+    assert strategies.none(planned.chain).peak_bytes >= calibration.measured_bytes
+    for ours, theirs in zip(model.get_weights(), weights):
+        np.testing.assert_array_equal(ours, theirs)
+    assert model.optimizer.iterations.numpy() == 0
 
 
 def test_a_calibrated_budget_keeps_a_tenth_for_the_variation_between_steps():

@@ -5,34 +5,39 @@ A chain's bytes are read from the model's traced calls; some of what a
 training step holds is not in them (a loop's per-step tensors, casts and
 copies TensorFlow adds, the optimizer's temporaries, the allocator's
 rounding). `calibrated` runs one compiled training step storing
-everything, on a twin of the model (the same layers as a Functional model,
-compiled with a fresh copy of its optimizer; the weights are restored
-afterwards), under TensorFlow's profiler, and reconciles the chain with it
-in two steps:
+everything on a twin of the model (a Functional model over its graph, or a
+model calling a subclassed one, compiled with a fresh copy of its
+optimizer; the weights are restored afterwards) under TensorFlow's
+profiler. Each layer is named by its index while the step is traced, so an
+op's name scopes say which layers it ran in, and each buffer is placed on
+the link of the innermost layer that makes calls of the chain. Then:
 
-1. What each link keeps for its backward: at the moment the forward's live
-   buffers are largest (the end of the forward, gradient ops aside), every
-   buffer a forward op allocated is placed on the link of the layer whose
-   name scope made it (each layer is named by its index for the traced
-   step, so scopes map back to layers without guessing). A link measured
-   keeping more than its `saved_bytes` gets the measured bytes; never less
-   (the CPU allocator's events leave out allocations under 256 KiB, so a
-   link measured keeping less may hold buffers the trace does not show).
-2. What the step holds beyond that, in two parts. The bytes the step's
-   buffers requested at its peak, less the reconciled chain's predicted
-   peak of storing everything: when positive, memory no link can be said
-   to hold (XLA's buffers, the optimizer's temporaries), added to every
-   moment (`Chain.overhead_bytes`), so plans are predicted conservatively.
-   And the allocator's rounding: its peak over that prediction (about 1.03
-   to 1.15 on CPU), by which every byte count of the chain is multiplied,
-   as the allocator rounds each buffer up in proportion. Storing
+1. What each link keeps for its backward: its forward buffers at the
+   moment the forward's buffers are largest (the end of the forward). A
+   link measured keeping more than its `saved_bytes` gets the measured
+   bytes; never less (the CPU allocator's events leave out allocations
+   under 256 KiB, so a link measured keeping less may hold buffers the
+   trace does not show).
+2. What each link holds at once: the most its forward and gradient buffers
+   held together. Above what the chain has it hold at its backward (kept,
+   input and weight gradients, workspace), the difference is added to its
+   workspace (BatchNormalization's backward holds one more buffer the size
+   of its input than its gradient graph shows).
+3. What the step holds beyond the links, in two parts. The bytes its
+   buffers requested at its peak above the reconciled chain's prediction
+   of storing everything: memory no link can be said to hold (the
+   optimizer's temporaries, buffers of ops outside every layer), added to
+   every moment (`Chain.overhead_bytes`), so plans are predicted
+   conservatively. And the allocator's peak over that prediction (its
+   rounding, about 1.03 to 1.15 on CPU; XLA's buffers under
+   `jit_compile=True`), by which every byte count of the chain is
+   multiplied, rounded up: the rounding grows with what is live. Storing
    everything is then predicted at its measured peak. When the chain
    predicts more than the allocator's peak, it is left predicting more:
    the excess is reported, not placed.
 
 `Calibration.line()` says which of these happened, with their sizes; a
-plan's summary prints it. Only a model whose graph can be rebuilt as a
-Functional model can be calibrated (a subclassed model's call cannot).
+plan's summary prints it.
 """
 
 from __future__ import annotations
@@ -50,7 +55,6 @@ import keras
 import numpy as np
 
 from tfrecompute import strategies
-from tfrecompute._messages import fail
 from tfrecompute.check.measure import requested_peak, traced_events
 from tfrecompute.check.twin import compiled_like, functional_twin, labelled
 from tfrecompute.costs.profile import ProfiledModel
@@ -160,17 +164,9 @@ def _calibrated(
     """`calibrated` without the cache: measures and reconciles."""
     start = time.perf_counter()
     source = chain.source
-    if not isinstance(source, ProfiledModel) or source.graph.root is None:
-        fail(
-            api,
-            "calibrating measures a training step of the model rebuilt as a Functional model "
-            "over its graph, and a subclassed model's call cannot be rebuilt into one",
-            "calibrate",
-            True,
-            "Plan it without calibrate=True, or measure a plan with tfrecompute.measure_step",
-        )
+    assert isinstance(source, ProfiledModel)  # the pipeline's chains carry their calls
     x, y = labelled(api, sample)
-    measured = _measured_step(api, model, (x, y), _link_of_layer(source), chain.n)
+    measured = _measured_step(api, source, (x, y), chain.n)
     raised = tuple(max(0, kept - saved) for kept, saved in zip(measured.kept, chain.saved_bytes))
     kept = dataclasses.replace(
         chain, saved_bytes=tuple(s + r for s, r in zip(chain.saved_bytes, raised))
@@ -259,15 +255,18 @@ class _Measured:
     requested: int  # the most bytes its buffers requested at once
 
 
-def _measured_step(
-    api: str, model: keras.Model, batch: tuple[Any, Any], link_of: dict[int, int], n: int
-) -> _Measured:
+def _measured_step(api: str, source: ProfiledModel, batch: tuple[Any, Any], n: int) -> _Measured:
     """One training step of `model` storing everything, measured per link (NOTE [
     Calibrating against a measured step ])."""
+    model, functional, link_of = (
+        source.graph.model,
+        source.graph.root is not None,
+        _link_of_layer(source),
+    )
     values = [np.array(v.numpy()) for v in model.variables]
     try:
         with as_defined(model):
-            twin = compiled_like(api, model, functional_twin(model))
+            twin = compiled_like(api, model, _twin(model, functional))
             layers = list(model._flatten_layers(include_self=False, recursive=True))
             with _named_by_index(layers):
                 step, events, _ = traced_events(api, twin, *batch, warmup=1)
@@ -281,6 +280,25 @@ def _measured_step(
         if link is not None:
             kept[link] += size
     return _Measured(kept, _most_held(events, links, n), step.peak_bytes, requested_peak(events))
+
+
+class _Calling(keras.Model):
+    """A model that calls another: its train step runs the other's call, with an optimizer
+    of its own."""
+
+    def __init__(self, model: keras.Model) -> None:
+        super().__init__(name=f"{model.name}_calibrating")
+        self.called = model
+
+    def call(self, inputs: Any, training: Any = None) -> Any:
+        return self.called(inputs, training=training)
+
+
+def _twin(model: keras.Model, functional: bool) -> keras.Model:
+    """A model to compile and train as `model` trains, without touching its optimizer: a
+    Functional model over its graph (the same output names for the loss), else one that
+    calls it (a subclassed model, whose call cannot be rebuilt)."""
+    return functional_twin(model) if functional else _Calling(model)
 
 
 def _most_held(
