@@ -13,7 +13,9 @@ from tfrecompute.strategies.headroom import headroom_of
 MiB = 2**20
 
 
-def _cnn(*, jit_compile: bool = False, optimizer: str = "sgd") -> tuple[keras.Model, tuple]:
+def _cnn(
+    *, jit_compile: bool = False, optimizer: str = "sgd", dropout: float = 0.0
+) -> tuple[keras.Model, tuple]:
     """Conv, BatchNormalization and ReLU blocks: every activation 2 MiB (the CPU
     allocator's events leave out buffers under 256 KiB)."""
     keras.utils.set_random_seed(0)
@@ -23,6 +25,8 @@ def _cnn(*, jit_compile: bool = False, optimizer: str = "sgd") -> tuple[keras.Mo
         h = keras.layers.Conv2D(16, 3, padding="same", use_bias=False)(h)
         h = keras.layers.BatchNormalization()(h)
         h = keras.layers.ReLU()(h)
+        if dropout:
+            h = keras.layers.Dropout(dropout, seed=1)(h)
     outputs = keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(h))
     model = keras.Model(inputs, outputs)
     model.compile(optimizer=optimizer, loss="mse", jit_compile=jit_compile)
@@ -69,8 +73,8 @@ def test_a_step_compiled_by_xla_is_predicted_from_its_measurement():
 
 
 def test_calibrating_leaves_the_model_and_its_training_as_they_were():
-    model, sample = _cnn(optimizer="adamw")
-    control, _ = _cnn(optimizer="adamw")
+    model, sample = _cnn(optimizer="adamw", dropout=0.2)
+    control, _ = _cnn(optimizer="adamw", dropout=0.2)
     names = [layer.name for layer in model._flatten_layers()]
     control.set_weights(model.get_weights())
     plan = tfrecompute.plan(model, "sqrt", sample=sample, calibrate=True)
