@@ -36,6 +36,7 @@ from tfrecompute.errors import (
     NonReplayableRandomnessError,
     RecomputeMismatchError,
     TfrecomputeError,
+    UntraceableModelError,
 )
 from tfrecompute.startup import quiet_tensorflow
 
@@ -69,6 +70,7 @@ __all__ = [
     "NonReplayableRandomnessError",
     "RecomputeMismatchError",
     "TfrecomputeError",
+    "UntraceableModelError",
     "__version__",
     "quiet_tensorflow",
     "strategies",

@@ -11,6 +11,7 @@ __all__ = [
     "NonReplayableRandomnessError",
     "RecomputeMismatchError",
     "TfrecomputeError",
+    "UntraceableModelError",
 ]
 
 
@@ -44,3 +45,15 @@ class NonReplayableRandomnessError(TfrecomputeError, ValueError):
 
 class RecomputeMismatchError(TfrecomputeError, RuntimeError):
     """A recompute produced other tensors than the forward (debug mode only)."""
+
+
+class UntraceableModelError(TfrecomputeError, ValueError):
+    """A model's call cannot be traced in training mode, so its calls cannot be planned.
+
+    tfrecompute finds a model's calls by tracing `model(x, training=True)` once
+    in a `tf.function`; a call that branches in Python on a tensor's value, or
+    whose ops have no kernel for the dtypes of a mixed-precision policy, stops
+    that trace, and with it the graph-mode step `model.fit` compiles.
+    `recompute` without a budget leaves such a model as it was and warns;
+    `plan`, a budget or `verify=True` raise this error.
+    """

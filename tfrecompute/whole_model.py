@@ -23,6 +23,7 @@ from tfrecompute.check.twin import check_compiled, labelled
 from tfrecompute.check.verified_plan import VerifiedPlan, planner
 from tfrecompute.check.verified_plan import verify as verify_plan
 from tfrecompute.costs.profile import ProfiledModel, profiled_model
+from tfrecompute.errors import UntraceableModelError
 from tfrecompute.graph.trace import check_batch_size, check_model
 from tfrecompute.layers.attention import attention_layers, checkpoint_attention
 from tfrecompute.layers.in_place import Checkpoints, record, remove
@@ -589,12 +590,37 @@ def recompute(
             note = _say_stored("recompute", verified.plan, strategy, options, measured=verified)
             left_as_it_was(model, note)
         return model
-    resolved = _resolve_plan("recompute", model, strategy, options)
+    try:
+        resolved = _resolve_plan("recompute", model, strategy, options)
+    except UntraceableModelError as error:
+        if budget is not None:  # a budget the model would not be held to
+            raise
+        _say_untraceable(model, error)
+        return model
     note = resolved.said
     if note is None and not resolved.plan.segments:
         note = _say_stored("recompute", resolved.plan, strategy, options)
     apply_plan("recompute", resolved.plan, policy, to=resolved.profiled, note=note)
     return model
+
+
+def _say_untraceable(model: keras.Model, error: UntraceableModelError) -> None:
+    """NOTE [ A model whose call cannot be traced ]
+
+    tfrecompute finds a model's calls by tracing its call in training mode in
+    a `tf.function`, as `model.fit` compiles it. Some models cannot be (keras-hub's
+    MoE routers' auxiliary loss and D-FINE's position embeddings under
+    `mixed_float16`, a scheduler that branches in Python on a tensor): their
+    graph-mode training step does not trace without tfrecompute either.
+    `recompute` without a budget leaves such a model as it was, with one
+    warning that says why, and `checkpoints(model)` tells the same; with a
+    budget (which the model would not be held to), `plan` or
+    `verify=True`, the `UntraceableModelError` is raised.
+    """
+    reason = str(error).split(": ", 1)[-1]
+    note = f"nothing is recomputed, so the model stores everything as it was: {reason}"
+    left_as_it_was(model, note)
+    warnings.warn(f"recompute: {note}", stacklevel=3)
 
 
 def _say_stored(

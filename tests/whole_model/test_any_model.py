@@ -582,5 +582,16 @@ def test_an_untraceable_subclassed_model_names_the_layer():
 
     net = Net()
     net(np.ones((1, 4), "float32"))
-    with pytest.raises(ValueError, match=r"cannot be traced symbolically.*layer 'branchy'"):
-        tfrecompute.recompute(net, sample=np.ones((2, 4), "float32"))
+    sample = np.ones((2, 4), "float32")
+    untraceable = r"cannot be traced symbolically.*layer 'branchy'"
+    with pytest.raises(tfrecompute.UntraceableModelError, match=untraceable):
+        tfrecompute.plan(net, sample=sample)
+    with pytest.raises(ValueError, match=untraceable):  # a budget it would not be held to
+        tfrecompute.recompute(net, budget="1GiB", sample=sample)
+    # Without a budget it is left as it was, and says so once (NOTE [ A model whose
+    # call cannot be traced ]).
+    with pytest.warns(UserWarning, match=r"recompute: nothing is recomputed, so the model") as w:
+        assert tfrecompute.recompute(net, sample=sample) is net
+    assert len([x for x in w if issubclass(x.category, UserWarning)]) == 1
+    record = tfrecompute.checkpoints(net)
+    assert not record and re.search(untraceable, record.note)

@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from tfrecompute._keras_internals import is_functional, recording_calls
 from tfrecompute._messages import fail, received
+from tfrecompute.errors import UntraceableModelError
 from tfrecompute.graph.layer_graph import declared_input
 
 __all__ = [
@@ -164,8 +165,8 @@ def trace_model(model: keras.Model, inputs: Any, *, api: str = "profile") -> Tra
         inputs: a structure of `tf.TensorSpec`s, as the model is called with.
 
     Raises:
-        ValueError: the model's call cannot be traced; names the layer whose
-            call raised and the cause.
+        UntraceableModelError: the model's call cannot be traced (a
+            ValueError); names the layer whose call raised and the cause.
     """
     recorder = _Recorder()
 
@@ -177,7 +178,7 @@ def trace_model(model: keras.Model, inputs: Any, *, api: str = "profile") -> Tra
         tf.function(forward, autograph=False).get_concrete_function(inputs)
     except Exception as error:
         where = recorder.stack[-1].name if recorder.stack else model.name
-        raise ValueError(
+        raise UntraceableModelError(
             f"{api}: the model's call cannot be traced symbolically (on graph tensors of the "
             f"sample's shapes, in training mode): layer {where!r} raised "
             f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error) else ''}"
