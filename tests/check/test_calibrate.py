@@ -131,6 +131,12 @@ def test_calibrate_checks_its_arguments(options, match):
         tfrecompute.plan(model, **arguments)
 
 
+def test_calibrate_measures_the_batch_the_plan_is_for():
+    model, sample = _cnn()
+    with pytest.raises(ValueError, match=r"plan: calibrating measures a step on the sample's 32 "):
+        tfrecompute.plan(model, batch_size=64, sample=sample, calibrate=True)
+
+
 def test_calibrate_needs_a_compiled_model_and_not_verify():
     model, sample = _cnn()
     uncompiled = keras.Model(model.inputs, model.outputs)
