@@ -55,6 +55,7 @@ import keras
 import numpy as np
 
 from tfrecompute import strategies
+from tfrecompute._messages import fail
 from tfrecompute.check.measure import requested_peak, traced_events
 from tfrecompute.check.twin import compiled_like, functional_twin, labelled
 from tfrecompute.costs.profile import ProfiledModel
@@ -166,6 +167,16 @@ def _calibrated(
     source = chain.source
     assert isinstance(source, ProfiledModel)  # the pipeline's chains carry their calls
     x, y = labelled(api, sample)
+    rows = {int(np.shape(t)[0]) for t in keras.tree.flatten(x) if np.ndim(t)}
+    if rows != {source.batch_size}:
+        fail(
+            api,
+            f"calibrating measures a step on the sample's {', '.join(map(str, sorted(rows)))} "
+            f"rows, and the plan is for batch size {source.batch_size}",
+            "batch_size",
+            source.batch_size,
+            "Pass a sample of that many rows, or leave batch_size out to plan at the sample's",
+        )
     measured = _measured_step(api, source, (x, y), chain.n)
     raised = tuple(max(0, kept - saved) for kept, saved in zip(measured.kept, chain.saved_bytes))
     kept = dataclasses.replace(
