@@ -91,7 +91,7 @@ def _resolve_plan(
         policy=options["policy"],
     )
     if options["calibrate"]:
-        chain = calibrated(api, chain, model, sample)
+        chain = calibrated(api, chain, sample)
     _warn_of_xla(api, model)
     made = strategies.plan_within(api, chosen, chain, budget, options["headroom"])
     alone = strategy is None and budget is None and options["where"] is None

@@ -136,19 +136,18 @@ class Calibration:
         return "\n".join(lines)
 
 
-def calibrated(
-    api: str, chain: strategies.Chain, model: keras.Model, sample: Any
-) -> strategies.Chain:
-    """`chain` reconciled with one measured training step of `model` storing everything
-    (NOTE [ Calibrating against a measured step ]); `model`'s weights and optimizer are
-    left as they were. A chain is calibrated once while its calibrated chain is in use
-    (`plan(..., calibrate=True)` then `recompute(...)` with the same sample measure
-    once; the pipeline keeps one chain per model and input signature)."""
+def calibrated(api: str, chain: strategies.Chain, sample: Any) -> strategies.Chain:
+    """`chain` reconciled with one measured training step storing everything of the model
+    it was profiled from (NOTE [ Calibrating against a measured step ]), on `sample`; the
+    model's weights and optimizer are left as they were. A chain is calibrated once
+    while its calibrated chain is in use (`plan(..., calibrate=True)` then
+    `recompute(...)` with the same sample measure once; the pipeline keeps one chain per
+    model and input signature)."""
     known = _calibrations.get(id(chain))
     done = known() if known is not None else None
     if done is not None and done.calibration.traced is chain:  # type: ignore[attr-defined]
         return done
-    made = _calibrated(api, chain, model, sample)
+    made = _calibrated(api, chain, sample)
     key = id(chain)
     _calibrations[key] = weakref.ref(made, lambda _, key=key: _calibrations.pop(key, None))
     return made
@@ -159,9 +158,7 @@ def calibrated(
 _calibrations: dict[int, weakref.ref[strategies.Chain]] = {}
 
 
-def _calibrated(
-    api: str, chain: strategies.Chain, model: keras.Model, sample: Any
-) -> strategies.Chain:
+def _calibrated(api: str, chain: strategies.Chain, sample: Any) -> strategies.Chain:
     """`calibrated` without the cache: measures and reconciles."""
     start = time.perf_counter()
     source = chain.source

@@ -529,7 +529,7 @@ def _calibrated(command: str, args: argparse.Namespace, model: Any, chain: Any) 
     _compile_saved(command, args, model)
     with _library_errors():
         sample = _labelled_batch(model, args.batch_size, args.dim)
-        return calibrated(f"tfrecompute {command}", chain, model, sample)
+        return calibrated(f"tfrecompute {command}", chain, sample)
 
 
 def _measure_options(args: argparse.Namespace) -> dict[str, Any]:
