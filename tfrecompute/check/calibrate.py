@@ -29,14 +29,14 @@ the link of the innermost layer that makes calls of the chain. Then:
    optimizer's temporaries, buffers of ops outside every layer), added to
    every moment (`Chain.overhead_bytes`), so plans are predicted
    conservatively. And the allocator's peak over that prediction (its
-   rounding, about 1.03 to 1.15 on CPU; XLA's buffers under
+   rounding; XLA's buffers under
    `jit_compile=True`), by which every byte count of the chain is
    multiplied, rounded up: the rounding grows with what is live. Storing
    everything is then predicted at its measured peak. When the chain
    predicts more than the allocator's peak, it is left predicting more:
    the excess is reported, not placed.
 
-`Calibration.line()` says which of these happened, with their sizes; a
+`Calibration.summary()` says which of these happened, with their sizes; a
 plan's summary prints it.
 """
 
@@ -57,7 +57,7 @@ import numpy as np
 from tfrecompute import strategies
 from tfrecompute._messages import fail
 from tfrecompute.check.measure import requested_peak, traced_events
-from tfrecompute.check.twin import compiled_like, functional_twin, labelled
+from tfrecompute.check.twin import compiled_like, functional_twin, labelled, weights_restored
 from tfrecompute.costs.profile import ProfiledModel
 from tfrecompute.graph.trace import as_defined
 
@@ -110,7 +110,7 @@ class Calibration:
     seconds: float
     traced: strategies.Chain | None = dataclasses.field(default=None, compare=False, repr=False)
 
-    def line(self) -> str:
+    def summary(self) -> str:
         """A plan summary's lines: what was measured, then what it changed, one per line."""
         fmt = strategies.format_bytes
         lines = [
@@ -271,16 +271,11 @@ def _measured_step(api: str, source: ProfiledModel, batch: tuple[Any, Any], n: i
         source.graph.root is not None,
         _link_of_layer(source),
     )
-    values = [np.array(v.numpy()) for v in model.variables]
-    try:
-        with as_defined(model):
-            twin = compiled_like(api, model, _twin(model, functional))
-            layers = list(model._flatten_layers(include_self=False, recursive=True))
-            with _named_by_index(layers):
-                step, events, _ = traced_events(api, twin, *batch, warmup=1)
-    finally:
-        for variable, value in zip(model.variables, values):
-            variable.assign(value)
+    with weights_restored(model), as_defined(model):
+        twin = compiled_like(api, model, _twin(model, functional))
+        layers = list(model._flatten_layers(include_self=False, recursive=True))
+        with _named_by_index(layers):
+            step, events, _ = traced_events(api, twin, *batch, warmup=1)
     links = [link_of.get(id(layer)) for layer in layers]
     kept = [0] * n
     for op, size in _forward_at_its_largest(events):

@@ -9,14 +9,23 @@ weights after the step.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import keras
+import numpy as np
 
 from tfrecompute._messages import fail
 from tfrecompute.graph.layer_graph import declared_input, declared_output
 
-__all__ = ["check_compiled", "compiled_like", "functional_twin", "labelled"]
+__all__ = [
+    "check_compiled",
+    "compiled_like",
+    "functional_twin",
+    "labelled",
+    "weights_restored",
+]
 
 
 def labelled(api: str, sample: Any) -> tuple[Any, Any]:
@@ -61,3 +70,15 @@ def compiled_like(api: str, model: keras.Model, rewritten: keras.Model) -> keras
         run_eagerly=bool(getattr(model, "run_eagerly", False)),
     )
     return rewritten
+
+
+@contextlib.contextmanager
+def weights_restored(model: keras.Model) -> Iterator[None]:
+    """Every variable of `model` (weights, statistics, seed states) set back to its value
+    on entry when the block ends, also on an error: a twin trains the same variables."""
+    values = [np.array(v.numpy()) for v in model.variables]
+    try:
+        yield
+    finally:
+        for variable, value in zip(model.variables, values):
+            variable.assign(value)

@@ -37,7 +37,13 @@ import numpy as np
 from tfrecompute import strategies
 from tfrecompute._messages import fail
 from tfrecompute.check.measure import measure_step
-from tfrecompute.check.twin import check_compiled, compiled_like, functional_twin, labelled
+from tfrecompute.check.twin import (
+    check_compiled,
+    compiled_like,
+    functional_twin,
+    labelled,
+    weights_restored,
+)
 from tfrecompute.costs.profile import ProfiledModel
 from tfrecompute.errors import InfeasibleBudgetError
 from tfrecompute.layers.in_place import Checkpoints, restored_on_error
@@ -137,14 +143,10 @@ class _Planner:
 
     def measure(self, plan: strategies.Plan, planned: int) -> Probe:
         """Measures `plan`'s compiled step; the model's weights are restored afterwards."""
-        values = [np.array(v.numpy()) for v in self.model.variables]
-        try:
+        with weights_restored(self.model):
             measured = compiled_like(self.api, self.model, _measured(self.model, self.apply(plan)))
             step = measure_step(measured, self.x, self.y, steps=2)
             state = _bytes(measured.variables) + _bytes(measured.optimizer.variables)
-        finally:
-            for variable, value in zip(self.model.variables, values):
-                variable.assign(value)
         return Probe(planned, plan.peak_bytes, step.peak_bytes, plan.recompute_cost, state)
 
 
