@@ -46,11 +46,12 @@ def test_every_link_is_placed_and_storing_everything_is_predicted_as_measured():
     for name, saved, kept in zip(chain.names, traced.chain.saved_bytes, calibration.kept_bytes):
         if saved >= MiB:
             assert kept == pytest.approx(saved, rel=0.05), name
-    # BatchNormalization's backward holds more than its traced gradient graph shows
-    # (one more buffer the size of its input, but the last's, whose incoming gradient
-    # is the pooling's broadcast).
+    # BatchNormalization's backward holds more than its traced gradient graph shows:
+    # one more buffer the size of its input (8 MiB), but the last's, whose incoming
+    # gradient is the pooling's broadcast.
     normalized = [i for i, name in enumerate(chain.names) if name.startswith("batch_norm")]
-    assert all(calibration.workspace_bytes[i] >= 2 * MiB for i in normalized[:-1])
+    activation = traced.chain.output_bytes[0]
+    assert all(calibration.workspace_bytes[i] >= 0.99 * activation for i in normalized[:-1])
     assert calibration.workspace_bytes[0] == 0  # a convolution's backward is as traced
     stored = strategies.none(chain).peak_bytes
     assert stored >= calibration.measured_bytes  # by construction: never below the step
@@ -61,8 +62,8 @@ def test_every_link_is_placed_and_storing_everything_is_predicted_as_measured():
 
 def test_a_step_compiled_by_xla_is_predicted_at_least_at_its_measured_peak():
     """XLA places its buffers itself: the traced calls do not see them, and the step's
-    peak moves between runs (77 or 128 MiB here), so the calibrated chain is held to
-    the peak its own measured step took."""
+    peak moves between runs, so the calibrated chain is held to the peak its own
+    measured step took."""
     model, sample = _cnn(jit_compile=True)
     with pytest.warns(UserWarning, match="jit_compile=True"):
         tfrecompute.plan(model, "none", sample=sample)

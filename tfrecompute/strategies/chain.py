@@ -118,7 +118,7 @@ class Chain:
             again. None for a chain built by hand.
         calibration: how the chain's bytes were reconciled with a measured
             training step (`tfrecompute.check.calibrate.Calibration`, whose
-            `line()` a plan's summary prints), or None when they were not.
+            `summary()` a plan's summary prints), or None when they were not.
             Not part of equality or repr.
 
     Example:
