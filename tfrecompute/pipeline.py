@@ -87,7 +87,7 @@ def chain_of(
     if chain is not None:
         return chain
     graph = traced_graph(api, model, sample, batch_size, depth=depth, where=where)
-    chain = profile_graph(graph, batch_of(graph), COMPILED, where=where, policy=policy)
+    chain = profile_graph(graph, batch_of(graph), COMPILED, where=where, policy=policy, api=api)
     if key is not None:
         _chains.setdefault(model, {})[key] = weakref.ref(chain)
     return chain

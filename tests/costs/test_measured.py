@@ -93,3 +93,40 @@ def test_measured_forward_times_replace_the_flop_estimate():
 def test_measure_options_must_be_bools(option):
     with pytest.raises(TypeError, match=rf"profile: `{option}` must be a bool\. Received: "):
         tfrecompute.profile(_small_model(), batch_size=8, **{option: "yes"})
+
+
+class _CoordinateLookup(keras.layers.Layer):
+    """Looks rows of a table up by coordinates in [0, 1): a float input that becomes an
+    index, as keras-hub's SAM3 geometry encoder does with boxes. A negative coordinate
+    indexes out of range, which TensorFlow's CPU GatherNd rejects."""
+
+    def build(self, input_shape):
+        self.table = self.add_weight(shape=(4, 4, 32), initializer="random_normal")
+
+    def call(self, coordinates):
+        import tensorflow as tf
+
+        return tf.gather_nd(self.table, tf.cast(tf.floor(coordinates * 4), "int32"))
+
+
+def _lookup_model() -> keras.Model:
+    inputs = keras.Input((2,))
+    h = keras.layers.Dense(256, activation="relu")(_CoordinateLookup(name="lookup")(inputs))
+    return keras.Model(inputs, keras.layers.Dense(4)(h))
+
+
+def test_a_call_that_cannot_run_on_synthetic_values_keeps_its_traced_reading():
+    model = _lookup_model()
+    x = np.random.default_rng(0).random((64, 2), dtype="float32")  # valid coordinates
+    static = tfrecompute.profile(model, sample=x, measure=False)
+    with pytest.warns(UserWarning, match=r"profile: measuring the call of 'lookup' on synthetic"):
+        measured = tfrecompute.profile(model, sample=x, measure=True)
+    lookup = measured.names.index("lookup")
+    assert measured.saved_bytes[lookup] == static.saved_bytes[lookup]
+    assert measured.workspace_bytes[lookup] == static.workspace_bytes[lookup]
+    with pytest.raises(
+        ValueError,
+        match=r"profile: measuring the call of 'lookup' .* failed "
+        r"\(InvalidArgumentError: .*\)\. Received: measure_time=True",
+    ):
+        tfrecompute.profile(model, sample=x, measure_time=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -208,12 +209,13 @@ def profile_graph(
     policy: Any = None,
     measure: bool | None = None,
     measure_time: bool = False,
+    api: str = "profile",
 ) -> strategies.Chain:
-    """`profile` on a traced graph; the chain's `source` is its `ProfiledModel`."""
+    """`profile` on a traced graph; the chain's `source` is its `ProfiledModel`. `api`
+    names the function called in warnings and errors."""
+    measuring = _Measuring(measure, measure_time, api)
     with as_defined(graph.model):
-        return _profile_graph(
-            graph, batch_size, optimizer, progress, where, policy, _Measuring(measure, measure_time)
-        )
+        return _profile_graph(graph, batch_size, optimizer, progress, where, policy, measuring)
 
 
 def _profile_graph(
@@ -436,6 +438,7 @@ def _holds_attention(graph: LayerGraph) -> Callable[[Call], bool]:
 class _Measuring:
     calls: bool | None  # `profile(measure=)`: None for the calls the graph does not show
     time: bool  # `profile(measure_time=)`
+    api: str  # the function called, for warnings and errors
 
 
 def _call_memories(
@@ -485,10 +488,50 @@ def _measured(
     wanted = memory.opaque if measuring.calls is None else measuring.calls
     if call.glue or isinstance(call.layer, RecomputeBlock) or not (wanted or measuring.time):
         return memory, 0.0
-    measured = measure_call(
-        call.layer, call.args, call.kwargs, batch_size, time_forward=measuring.time, traced=traced
-    )
+    try:
+        measured = measure_call(
+            call.layer,
+            call.args,
+            call.kwargs,
+            batch_size,
+            time_forward=measuring.time,
+            traced=traced,
+        )
+    except tf.errors.InvalidArgumentError as error:
+        return _unmeasured(call, memory, measuring, error), 0.0
     return (corrected(memory, measured) if wanted else memory), measured.forward_seconds or 0.0
+
+
+def _unmeasured(
+    call: Call, memory: CallMemory, measuring: _Measuring, error: Exception
+) -> CallMemory:
+    """NOTE [ A call that cannot run on synthetic values ]
+
+    A call is measured on synthetic tensors of its shapes (normal floats,
+    zero ids), and some calls cannot run on them: a float input that becomes
+    an index (keras-hub's SAM3 geometry encoder turns box coordinates into
+    `GatherNd` indices, and a negative coordinate indexes out of range,
+    which TensorFlow's CPU kernel rejects). Its memory is then the traced
+    reading, with a warning that names the layer; measured time has no
+    such fallback, so `measure_time=True` raises.
+    """
+    called = getattr(call.layer, "name", None) or getattr(call.layer, "__name__", "a call")
+    what = f"measuring the call of '{called}' on synthetic inputs (normal floats, zero ids) failed"
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if measuring.time:
+        fail(
+            measuring.api,
+            f"{what} ({type(error).__name__}: {first})",
+            "measure_time",
+            True,
+            "Profile with measure_time=False to price each link's forward by its FLOPs",
+        )
+    warnings.warn(
+        f"{measuring.api}: {what} ({type(error).__name__}: {first}), so its memory is the "
+        "traced reading of its graph, which may miss buffers it allocates",
+        stacklevel=2,
+    )
+    return memory
 
 
 def _call_memory(call: Call, batch_size: int) -> tuple[CallMemory, TracedStep | None]:
