@@ -23,10 +23,17 @@ NOTE [ Calibrating against a measured step ] in
 `tfrecompute/check/calibrate.py`); a model that cannot be calibrated (a
 subclassed model) is listed with why.
 
+With `--spread K` each model instead stores everything in K fresh
+processes, one `measure_step` (the largest of three steps) each: the
+spread of the quantity the table calls *measured*, which on a CPU depends
+on the order TensorFlow's executor happens to run the step's ops in. A
+prediction cannot be held closer to one process's measurement than that.
+
 Writes `held_out.json` and `held_out.md` to benchmarks/results/.
 
     python benchmarks/held_out.py                      # every model, about an hour on 2 cores
     python benchmarks/held_out.py --models gru_lm unet
+    python benchmarks/held_out.py --spread 5           # storing everything, 5 processes each
     python benchmarks/held_out.py --smoke              # one small model, a temporary folder
 """
 
@@ -36,6 +43,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -276,8 +284,59 @@ def measure(name: str, plan_name: str, memory: str, smoke: bool) -> dict[str, An
     }
 
 
+def measure_stored(name: str, smoke: bool) -> dict[str, Any]:
+    """One model storing everything: its traced prediction and one measured step (run in a
+    worker process; `--spread`)."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import keras
+
+    import tfrecompute
+
+    keras.utils.set_random_seed(0)
+    model, x, y, loss, optimizer = (SMOKE if smoke else MODELS)[name]()
+    model.compile(optimizer=optimizer, loss=loss, jit_compile=name == "jit_cnn")
+    predicted = tfrecompute.plan(model, "none", sample=(x, y)).peak_bytes
+    step = tfrecompute.measure_step(model, x, y)
+    return {"model": name, "predicted_bytes": predicted, "measured_bytes": step.peak_bytes}
+
+
+def _spread_lines(spread: list[dict[str, Any]]) -> list[str]:
+    """The spread section: per model, storing everything measured in several processes."""
+    if not spread:
+        return []
+    lines = [
+        "",
+        "## The measured peak's own spread",
+        "",
+        "Storing everything, each model in several fresh processes (`--spread`), one "
+        "`measure_step` each (the largest of three steps, as *measured* above). Spread = "
+        "largest / smallest - 1; the traced prediction's error is against the median.",
+        "",
+        "| model | processes | measured MiB (least, median, most) | spread "
+        "| traced prediction MiB | error vs median | inside the range |",
+        "|---|---:|---|---:|---:|---:|---|",
+    ]
+    by_model: dict[str, list[dict[str, Any]]] = {}
+    for row in spread:
+        by_model.setdefault(row["model"], []).append(row)
+    for model in sorted(by_model, key=lambda m: list(MODELS).index(m) if m in MODELS else -1):
+        peaks = sorted(r["measured_bytes"] for r in by_model[model])
+        median = statistics.median(peaks)
+        predicted = statistics.median(r["predicted_bytes"] for r in by_model[model])
+        inside = "yes" if peaks[0] <= predicted <= peaks[-1] else "no"
+        lines.append(
+            f"| {model} | {len(peaks)} | {peaks[0] / MiB:.1f}, {median / MiB:.1f}, "
+            f"{peaks[-1] / MiB:.1f} | {peaks[-1] / max(peaks[0], 1) - 1:.0%} | "
+            f"{predicted / MiB:.1f} | {predicted / max(median, 1) - 1:+.0%} | {inside} |"
+        )
+    return lines
+
+
 def _markdown(
-    rows: list[dict[str, Any]], runs: list[dict[str, Any]], failed: list[dict[str, Any]]
+    rows: list[dict[str, Any]],
+    runs: list[dict[str, Any]],
+    failed: list[dict[str, Any]],
+    spread: list[dict[str, Any]] = (),  # type: ignore[assignment]
 ) -> str:
     lines = [
         "# Predictions on held-out models",
@@ -317,7 +376,7 @@ def _markdown(
             f"{r['requested_bytes'] / MiB:.1f} | {r['requested_error']:+.0%} | {budget} | "
             f"{r['planning_cpu_seconds']:.1f} |"
         )
-    lines += ["", *_above_storing_everything(rows)]
+    lines += ["", *_above_storing_everything(rows), *_spread_lines(list(spread))]
     if failed:
         lines += [
             "",
@@ -356,8 +415,9 @@ def _above_storing_everything(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def _run_line(run: dict[str, Any]) -> str:
+    what = " (spread)" if run.get("what") == "spread" else ""
     return (
-        f"{run['started']} ({run['minutes']:.0f} min, load average before "
+        f"{run['started']}{what} ({run['minutes']:.0f} min, load average before "
         f"{run['load_before']}, tfrecompute {run['commit']}): {', '.join(run['models'])}"
     )
 
@@ -368,50 +428,69 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--smoke", action="store_true", help="one small model, two plans")
     parser.add_argument("--out", type=Path, help="the folder to write to")
     parser.add_argument(
+        "--spread", type=int, metavar="K", help="store everything in K processes per model"
+    )
+    parser.add_argument(
         "--worker", nargs=3, metavar=("MODEL", "PLAN", "MEMORY"), help=argparse.SUPPRESS
     )
+    parser.add_argument("--spread-worker", metavar="MODEL", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(measure(*args.worker, args.smoke)))
         return {}
+    if args.spread_worker:
+        print(json.dumps(measure_stored(args.spread_worker, args.smoke)))
+        return {}
+    if args.spread is not None and args.spread < 2:
+        parser.error(f"--spread: at least 2 processes. Received: --spread {args.spread}")
     names = list(SMOKE) if args.smoke else (args.models or list(MODELS))
-    plans = SMOKE_PLANS if args.smoke else PLANS
     out = _report.output_dir(args.out, smoke=args.smoke, name=NAME)
     started, load = time.strftime("%Y-%m-%d %H:%M"), os.getloadavg()
     begin = time.perf_counter()
-    script = Path(__file__).resolve()
-    previous = _previous(out / f"{NAME}.json", names)
-    rows: list[dict[str, Any]] = []
-    failed: list[dict[str, Any]] = []
+    previous = _previous(out / f"{NAME}.json", names, spread=args.spread is not None)
+    new: dict[str, list[dict[str, Any]]] = {"rows": [], "failed": [], "spread": []}
     report: dict[str, Any] = {}
     for index, name in enumerate(names):
-        for plan in plans:
-            for memory in MEMORY:
-                extra = ["--smoke"] if args.smoke else []
-                worker = ["--worker", name, plan, memory, *extra]
-                try:
-                    rows.append(_report.run_worker(script, worker, timeout=1800))
-                except RuntimeError as error:  # recorded; the other models still run
-                    failed.append(
-                        {"model": name, "plan": plan, "memory": memory, "error": str(error)[-1500:]}
-                    )
+        _measure_model(name, args, new)
         run = {
             "started": started,
             "minutes": (time.perf_counter() - begin) / 60,
             "load_before": ", ".join(f"{value:.2f}" for value in load),
             "commit": _commit(),
             "models": names[: index + 1],
+            "what": "spread" if args.spread else "plans",
         }
         report = {  # written after each model, so that a stopped run keeps what it measured
             "machine": _report.machine(),
             "versions": _report.versions("tensorflow", "keras", "keras-hub"),
             "runs": previous["runs"] + [run],
-            "rows": sorted(previous["rows"] + rows, key=_order),
-            "failed": previous["failed"] + failed,
+            "rows": sorted(previous["rows"] + new["rows"], key=_order),
+            "failed": previous["failed"] + new["failed"],
+            "spread": previous["spread"] + new["spread"],
         }
-        table = _markdown(report["rows"], report["runs"], report["failed"])
+        table = _markdown(report["rows"], report["runs"], report["failed"], report["spread"])
         _report.write(out, NAME, report, table)
     return report
+
+
+def _measure_model(name: str, args: Any, new: dict[str, list[dict[str, Any]]]) -> None:
+    """Runs one model's workers: its plans, or with `--spread` its processes storing
+    everything; adds their results (or failures) to `new`."""
+    script, extra = Path(__file__).resolve(), ["--smoke"] if args.smoke else []
+    if args.spread:
+        for _ in range(args.spread):
+            worker = ["--spread-worker", name, *extra]
+            new["spread"].append(_report.run_worker(script, worker, timeout=1800))
+        return
+    for plan in SMOKE_PLANS if args.smoke else PLANS:
+        for memory in MEMORY:
+            worker = ["--worker", name, plan, memory, *extra]
+            try:
+                new["rows"].append(_report.run_worker(script, worker, timeout=1800))
+            except RuntimeError as error:  # recorded; the other models still run
+                new["failed"].append(
+                    {"model": name, "plan": plan, "memory": memory, "error": str(error)[-1500:]}
+                )
 
 
 def _order(row: dict[str, Any]) -> tuple[int, int, int]:
@@ -420,15 +499,26 @@ def _order(row: dict[str, Any]) -> tuple[int, int, int]:
     return model, PLANS.index(row["plan"]), MEMORY.index(row.get("memory", "traced"))
 
 
-def _previous(path: Path, names: Sequence[str]) -> dict[str, Any]:
-    """The rows, runs and failures of an earlier report, less the models run again."""
+def _previous(path: Path, names: Sequence[str], *, spread: bool) -> dict[str, Any]:
+    """The rows, runs, failures and spread of an earlier report, less what is run again
+    (the plans of `names`, or with `spread` their spread)."""
     if not path.exists():
-        return {"rows": [], "runs": [], "failed": []}
+        return {"rows": [], "runs": [], "failed": [], "spread": []}
     old = json.loads(path.read_text())
+    kind = "spread" if spread else "plans"
+
+    def again(model: str) -> bool:
+        return model in names
+
     return {
-        "rows": [r for r in old["rows"] if r["model"] not in names],
-        "runs": [run for run in old["runs"] if set(run["models"]) - set(names)],
-        "failed": [f for f in old.get("failed", []) if f["model"] not in names],
+        "rows": [r for r in old["rows"] if spread or not again(r["model"])],
+        "runs": [
+            run
+            for run in old["runs"]
+            if run.get("what", "plans") != kind or set(run["models"]) - set(names)
+        ],
+        "failed": [f for f in old.get("failed", []) if spread or not again(f["model"])],
+        "spread": [r for r in old.get("spread", []) if not spread or not again(r["model"])],
     }
 
 

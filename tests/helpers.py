@@ -239,8 +239,10 @@ def assert_same_fit(
     assert any(not np.allclose(a, b) for a, b in zip(want_state, initial))
 
 
-def run_benchmark_smoke(name: str, out: Any, *, timeout: float = 600) -> tuple[dict, str]:
-    """Runs `python benchmarks/<name>.py --smoke --out <out>` in a fresh process.
+def run_benchmark_smoke(
+    name: str, out: Any, *, timeout: float = 600, args: Any = ()
+) -> tuple[dict, str]:
+    """Runs `python benchmarks/<name>.py --smoke --out <out> <args...>` in a fresh process.
 
     Asserts that it exits 0 and returns its JSON report and Markdown table.
     """
@@ -253,7 +255,7 @@ def run_benchmark_smoke(name: str, out: Any, *, timeout: float = 600) -> tuple[d
     root = pathlib.Path(__file__).resolve().parents[1]
     out = pathlib.Path(out)
     result = subprocess.run(
-        [sys.executable, f"benchmarks/{name}.py", "--smoke", "--out", str(out)],
+        [sys.executable, f"benchmarks/{name}.py", "--smoke", "--out", str(out), *args],
         cwd=root,
         capture_output=True,
         text=True,

@@ -1,4 +1,5 @@
-"""`benchmarks/held_out.py --smoke`: one small model, storing everything and sqrt."""
+"""`benchmarks/held_out.py --smoke`: one small model, storing everything and sqrt; then
+`--spread 2`: storing everything in two more processes, added to the same report."""
 
 from __future__ import annotations
 
@@ -22,3 +23,11 @@ def test_smoke_run_measures_each_plan_in_its_own_process(tmp_path):
     assert report["failed"] == []
     assert "| gru_lm | adam |" in table and "- calibrated: within 10% of the allocator" in table
     assert "Default plans (calibrated) that recompute something and measured above" in table
+
+    report, table = run_benchmark_smoke("held_out", tmp_path, args=["--spread", "2"])
+    assert {(r["model"], r["plan"], r["memory"]) for r in report["rows"]} == set(rows)
+    assert [r["model"] for r in report["spread"]] == ["gru_lm", "gru_lm"]
+    assert all(r["measured_bytes"] > 0 and r["predicted_bytes"] > 0 for r in report["spread"])
+    assert [run.get("what", "plans") for run in report["runs"]] == ["plans", "spread"]
+    peaks = sorted(r["measured_bytes"] / 2**20 for r in report["spread"])
+    assert f"| gru_lm | 2 | {peaks[0]:.1f}, {sum(peaks) / 2:.1f}, {peaks[1]:.1f} |" in table
