@@ -35,6 +35,7 @@ names the families of the checkout not run yet.
     python benchmarks/keras_hub_suite.py --families bert gpt2  # snapshot of the mirror
     python benchmarks/keras_hub_suite.py --checkout ~/keras-hub --families all
     python benchmarks/keras_hub_suite.py --families gpt2 --run-large  # with test_saved_model
+    python benchmarks/keras_hub_suite.py --families mobilenet --strategy sqrt  # every model
     python benchmarks/keras_hub_suite.py --smoke               # BertBackbone, a temporary folder
 """
 
@@ -97,6 +98,7 @@ FILTERWARNINGS = [
 ]
 # What the driver tells the plugin in the pytest process.
 ENV_PASS, ENV_EVENTS, ENV_TEST_DATA = "KH_SUITE_PASS", "KH_SUITE_EVENTS", "KH_SUITE_TEST_DATA"
+ENV_STRATEGY = "KH_SUITE_STRATEGY"  # `--strategy`: the plan every model gets, e.g. "sqrt"
 PASSES = ("shipped", "checkpointed")
 TEST_TIMEOUT = 1200  # seconds one test may take before its process is killed
 
@@ -480,7 +482,8 @@ def _task_sample(train_data: Any) -> Callable[[Any], Any]:
 
 
 def checkpoint(model: Any, helper: str, sample: Any, dtype: Any) -> None:
-    """`tfrecompute.recompute(model, sample=sample)`, recorded for the current test."""
+    """`tfrecompute.recompute(model, sample=sample)`, recorded for the current test (with
+    `--strategy`, `recompute(model, <strategy>, sample=sample)`)."""
     import keras
 
     import tfrecompute
@@ -500,7 +503,7 @@ def checkpoint(model: Any, helper: str, sample: Any, dtype: Any) -> None:
         warnings.simplefilter("always")
         wall, cpu = time.perf_counter(), time.process_time()
         try:
-            tfrecompute.recompute(model, sample=sample)
+            tfrecompute.recompute(model, os.environ.get(ENV_STRATEGY) or None, sample=sample)
         except Exception as error:
             row.update(checkpointed=False, blocks=0, error=diagnose(error)["error"])
             raise
@@ -667,6 +670,19 @@ def _header(report: dict[str, Any]) -> str:
         f"{', '.join(r['families'])}"
         for r in report["runs"]
     )
+    strategy = report.get("strategy")
+    call = (
+        f"recompute(model, {strategy!r}, sample=<the test's input>)"
+        if strategy
+        else "recompute(model, sample=<the test's input>)"
+    )
+    forced = (
+        f" Every model gets the `{strategy}` plan, whether or not it beats storing "
+        "everything at the tests' tiny sizes: this run tests checkpointed models, not the "
+        "planner's choice."
+        if strategy
+        else ""
+    )
     return "\n".join([
         f"The model tests of keras-hub {checkout['version']} (source snapshot "
         f"{checkout['mirror_commit'] or checkout['path']}) against the installed keras-hub "
@@ -675,7 +691,7 @@ def _header(report: dict[str, Any]) -> str:
         "work (`nice -n 15`). Two pytest passes: as shipped (tests marked `large`, "
         "`extra_large` or needing a Kaggle key skipped by keras-hub's conftest), then the tests "
         "that passed, with every model built by a TestCase model helper checkpointed right "
-        "after construction: `tfrecompute.recompute(model, sample=<the test's input>)`. "
+        f"after construction: `tfrecompute.{call}`.{forced} "
         "A test passes checkpointed only if every such model got blocks "
         "(`tfrecompute.checkpoints(model)`); one with a model left as it was is counted apart, "
         "and so is one whose models are all built outside the helpers (nothing checkpointed).",
@@ -873,12 +889,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         "too (`test_saved_model` among them) but those named *preset*")  # fmt: skip
     parser.add_argument("--report-only", action="store_true",
                         help="write the Markdown from the JSON in --out again")  # fmt: skip
+    parser.add_argument("--strategy", help="checkpoint every model with this plan "
+                        "(e.g. sqrt), whether or not it beats storing everything; written to "
+                        f"{NAME}_<strategy>.json and .md")  # fmt: skip
     args = parser.parse_args(argv)
+    name = f"{NAME}_{args.strategy}" if args.strategy else NAME
     if args.report_only:
-        out = _report.output_dir(args.out, smoke=False, name=NAME)
-        report = json.loads((out / f"{NAME}.json").read_text())
-        _report.write(out, NAME, report, markdown(report))
+        out = _report.output_dir(args.out, smoke=False, name=name)
+        report = json.loads((out / f"{name}.json").read_text())
+        _report.write(out, name, report, markdown(report))
         return report
+    if args.strategy:
+        os.environ[ENV_STRATEGY] = args.strategy  # read by the plugin in each pytest process
     mirror = None if args.checkout else args.mirror
     checkout = args.checkout or extract(args.mirror, Path(tempfile.mkdtemp(prefix="keras_hub_")))
     found = model_test_files(checkout)
@@ -901,12 +923,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "versions": _report.versions("tensorflow", "keras", "keras-hub"),
         "checkout": describe(checkout, mirror),
         "all_families": sorted(found),
+        "strategy": args.strategy,
         "runs": [run],
         "families": result["families"],
     }
-    out = _report.output_dir(args.out, smoke=args.smoke, name=NAME)
-    report = _merged(out / f"{NAME}.json", report)
-    _report.write(out, NAME, report, markdown(report))
+    out = _report.output_dir(args.out, smoke=args.smoke, name=name)
+    report = _merged(out / f"{name}.json", report)
+    _report.write(out, name, report, markdown(report))
     return report
 
 

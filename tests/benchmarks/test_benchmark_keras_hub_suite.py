@@ -61,3 +61,28 @@ def test_smoke_run_checkpoints_every_model_of_the_bert_backbone_test(tmp_path):
         assert model["checkpointed"] == (model["blocks"] > 0)
         assert model["checkpointed"] or model["why"]
     assert "Families not run:" in table and "| bert |" in table
+
+
+def _tiny_model():
+    import keras
+
+    inputs = keras.Input((4,))
+    h = inputs
+    for _ in range(6):
+        h = keras.layers.Dense(4, activation="relu")(h)
+    return keras.Model(inputs, h)
+
+
+def test_a_strategy_checkpoints_models_the_default_leaves_as_they_were(monkeypatch, tmp_path):
+    import numpy as np
+
+    recorder = keras_hub_suite._Recorder(str(tmp_path / "events.jsonl"), "checkpointed")
+    recorder.start("khtests/tiny/tiny_test.py::TinyTest::test_backbone_basics")
+    monkeypatch.setattr(keras_hub_suite, "_RECORDER", [recorder])
+    x = np.zeros((2, 4), "float32")
+    keras_hub_suite.checkpoint(_tiny_model(), "run_backbone_test", x, None)
+    monkeypatch.setenv(keras_hub_suite.ENV_STRATEGY, "sqrt")
+    keras_hub_suite.checkpoint(_tiny_model(), "run_backbone_test", x, None)
+    default, forced = recorder.test["models"]
+    assert not default["checkpointed"] and "nothing is recomputed" in default["why"]
+    assert forced["checkpointed"] and forced["blocks"] == forced["segments"] == 2
