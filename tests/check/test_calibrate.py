@@ -60,6 +60,28 @@ def test_every_link_is_placed_and_storing_everything_is_predicted_as_measured():
     assert planned.peak_bytes >= strategies.simulate(traced.chain, planned.segments).peak_bytes
 
 
+def test_each_call_of_a_layer_called_in_a_loop_is_placed_in_its_own_link():
+    """One Dense applied four times (as in a loop over time steps): each call's buffers
+    belong to that call's link, not all to the first."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((512,))
+    shared, h = keras.layers.Dense(512, activation="tanh"), inputs
+    for _ in range(4):
+        h = shared(h)
+    model = keras.Model(inputs, keras.layers.Dense(10)(h))
+    model.compile(optimizer="sgd", loss="mse")
+    rng = np.random.default_rng(0)
+    sample = (rng.random((256, 512), dtype="float32"), rng.random((256, 10), dtype="float32"))
+    traced = tfrecompute.plan(model, "none", sample=sample)
+    calibration = tfrecompute.plan(model, "none", sample=sample, calibrate=True).chain.calibration
+    calls = [i for i, name in enumerate(traced.chain.names) if name.split("#")[0] == shared.name]
+    assert len(calls) == 4
+    for i in calls:  # each call keeps its output (tanh's gradient reads it): 512 KiB
+        assert traced.chain.saved_bytes[i] >= 512 * 1024
+        assert calibration.kept_bytes[i] == pytest.approx(traced.chain.saved_bytes[i], rel=0.05)
+        assert calibration.raised_bytes[i] == 0
+
+
 def test_a_step_compiled_by_xla_is_predicted_at_least_at_its_measured_peak():
     """XLA places its buffers itself: the traced calls do not see them, and the step's
     peak moves between runs, so the calibrated chain is held to the peak its own

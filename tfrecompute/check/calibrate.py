@@ -10,7 +10,8 @@ model calling a subclassed one, compiled with a fresh copy of its
 optimizer; the weights are restored afterwards) under TensorFlow's
 profiler. Each layer is named by its index while the step is traced, so an
 op's name scopes say which layers it ran in, and each buffer is placed on
-the link of the innermost layer that makes calls of the chain. Then:
+the link of the innermost layer call of the chain (`_Scopes`: a layer
+called in a loop has a scope per call). Then:
 
 1. What each link keeps for its backward: its forward buffers at the
    moment the forward's buffers are largest (the end of the forward). A
@@ -48,7 +49,7 @@ import math
 import re
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
@@ -64,7 +65,7 @@ from tfrecompute.graph.trace import as_defined
 __all__ = ["Calibration", "calibrated"]
 
 _TOKEN = "tfrecompute_layer_"  # a layer's name while its step is traced: _TOKEN + index
-_SCOPE = re.compile(rf"^{_TOKEN}(\d+)(?:_\d+)*$")  # TensorFlow makes scopes unique by "_1"
+_SCOPE = re.compile(rf"^{_TOKEN}(\d+)(?:_(\d+))?(?:_\d+)*$")  # unique scopes: "_1", "_2"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,14 +245,14 @@ def _traced_backward(chain: strategies.Chain, link: int) -> int:
     return held + grads + chain.workspace_bytes[link]
 
 
-def _link_of_layer(source: ProfiledModel) -> dict[int, int]:
-    """The link of each layer the chain's calls are made by, by `id` (a layer called
-    in several links: its first)."""
-    link_of: dict[int, int] = {}
+def _link_of_layer(source: ProfiledModel) -> dict[int, tuple[int, ...]]:
+    """The links of each layer's calls in the chain, in call order, by the layer's `id`
+    (a layer called in a loop, or shared, has several)."""
+    link_of: dict[int, tuple[int, ...]] = {}
     for link, (first, stop) in enumerate(source.links):
         for call in source.graph.calls[first:stop]:
             if isinstance(call.layer, keras.layers.Layer):
-                link_of.setdefault(id(call.layer), link)
+                link_of[id(call.layer)] = (*link_of.get(id(call.layer), ()), link)
     return link_of
 
 
@@ -276,13 +277,14 @@ def _measured_step(api: str, source: ProfiledModel, batch: tuple[Any, Any], n: i
         layers = list(model._flatten_layers(include_self=False, recursive=True))
         with _named_by_index(layers):
             step, events, _ = traced_events(api, twin, *batch, warmup=1)
-    links = [link_of.get(id(layer)) for layer in layers]
+    link_of_op = _Scopes([link_of.get(id(layer), ()) for layer in layers], events).link
     kept = [0] * n
     for op, size in _forward_at_its_largest(events):
-        link = _link_of_op(op, links)
+        link = link_of_op(op)
         if link is not None:
             kept[link] += size
-    return _Measured(kept, _most_held(events, links, n), step.peak_bytes, requested_peak(events))
+    most = _most_held(events, link_of_op, n)
+    return _Measured(kept, most, step.peak_bytes, requested_peak(events))
 
 
 class _Calling(keras.Model):
@@ -305,7 +307,7 @@ def _twin(model: keras.Model, functional: bool) -> keras.Model:
 
 
 def _most_held(
-    events: list[tuple[str, dict[str, Any]]], links: list[int | None], n: int
+    events: list[tuple[str, dict[str, Any]]], link_of_op: Callable[[str], int | None], n: int
 ) -> list[int]:
     """Per link, the most bytes its layers' ops (forward and gradient) held at once: what
     it keeps, less what its backward has released, plus its gradients and temporaries.
@@ -320,7 +322,7 @@ def _most_held(
                 link, size = live.pop(address)
                 held[link] -= size
             continue
-        link = _link_of_op(str(stats.get("tf_op", "")), links)
+        link = link_of_op(str(stats.get("tf_op", "")))
         if link is not None:
             size = int(stats.get("requested_bytes", 0))
             live[address] = (link, size)
@@ -374,12 +376,43 @@ def _forward_live(
         yield live, total
 
 
-def _link_of_op(op: str, links: list[int | None]) -> int | None:
-    """The link of the innermost chain layer among `op`'s name scopes, if any."""
-    found = None
-    for scope in op.split("/"):
-        match = _SCOPE.match(scope)
-        index = int(match.group(1)) if match is not None else len(links)
-        if index < len(links) and links[index] is not None:
-            found = links[index]
-    return found
+class _Scopes:
+    """Which link an op of the traced step belongs to, by its name scopes.
+
+    Every layer is named `_TOKEN + index` while the step traces; an op
+    belongs to the innermost such layer among its scopes. A layer called
+    several times in one graph (in a loop, or shared) gets one scope per
+    call, `<name>`, `<name>_1`, `<name>_3`, ..., numbered in call order but
+    not by call (other scopes of the name take numbers in between): when the
+    step shows as many distinct scopes of a layer as the chain has calls of
+    it, the k-th lowest number is its k-th call; otherwise every scope of the
+    layer counts as its first call.
+    """
+
+    def __init__(self, links: list[tuple[int, ...]], events: list[tuple[str, Any]]) -> None:
+        self.links = links
+        numbers: dict[int, set[int]] = {}
+        for _, stats in events:
+            for index, number in self._scopes(str(stats.get("tf_op", ""))):
+                numbers.setdefault(index, set()).add(number)
+        self.call_of = {
+            (index, number): rank
+            for index, seen in numbers.items()
+            if len(seen) == len(links[index]) > 1
+            for rank, number in enumerate(sorted(seen))
+        }
+
+    def _scopes(self, op: str) -> Iterator[tuple[int, int]]:
+        """`(layer index, scope number)` of each chain layer's scope in `op`, outermost first."""
+        for scope in op.split("/"):
+            match = _SCOPE.match(scope)
+            if match is not None and int(match.group(1)) < len(self.links):
+                if self.links[int(match.group(1))]:
+                    yield int(match.group(1)), int(match.group(2) or 0)
+
+    def link(self, op: str) -> int | None:
+        """The link of the innermost chain layer's call among `op`'s scopes, if any."""
+        found = None
+        for index, number in self._scopes(op):
+            found = self.links[index][self.call_of.get((index, number), 0)]
+        return found
