@@ -688,7 +688,7 @@ def _header(report: dict[str, Any]) -> str:
         f"{checkout['mirror_commit'] or checkout['path']}) against the installed keras-hub "
         f"{versions['keras-hub']}, tensorflow {versions['tensorflow']}, keras "
         f"{versions['keras']}, on {report['machine']['cpu_count']} CPU cores shared with other "
-        "work (`nice -n 15`). Two pytest passes: as shipped (tests marked `large`, "
+        "work. Two pytest passes: as shipped (tests marked `large`, "
         "`extra_large` or needing a Kaggle key skipped by keras-hub's conftest), then the tests "
         "that passed, with every model built by a TestCase model helper checkpointed right "
         f"after construction: `tfrecompute.{call}`.{forced} "
