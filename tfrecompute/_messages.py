@@ -17,6 +17,7 @@ __all__ = [
     "as_bool",
     "as_count",
     "as_positive_int",
+    "cause",
     "describe",
     "fail",
     "received",
@@ -32,6 +33,13 @@ def short_repr(value: object) -> str:
     if len(text) > _MAX_REPR:
         text = text[: _MAX_REPR - 4] + " ..." + text[-1:]
     return text
+
+
+def cause(error: BaseException) -> str:
+    """`"<ErrorType>: <first line of its message>"` (the type alone for an empty message):
+    an error another one quotes as its cause."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
 
 def describe(value: object) -> str:

@@ -404,11 +404,10 @@ class _Scopes:
 
     def _scopes(self, op: str) -> Iterator[tuple[int, int]]:
         """`(layer index, scope number)` of each chain layer's scope in `op`, outermost first."""
-        for scope in op.split("/"):
-            match = _SCOPE.match(scope)
-            if match is not None and int(match.group(1)) < len(self.links):
-                if self.links[int(match.group(1))]:
-                    yield int(match.group(1)), int(match.group(2) or 0)
+        for match in filter(None, map(_SCOPE.match, op.split("/"))):
+            index = int(match.group(1))
+            if index < len(self.links) and self.links[index]:
+                yield index, int(match.group(2) or 0)
 
     def link(self, op: str) -> int | None:
         """The link of the innermost chain layer's call among `op`'s scopes, if any."""

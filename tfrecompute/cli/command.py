@@ -64,7 +64,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from tfrecompute import strategies
-from tfrecompute._messages import received
+from tfrecompute._messages import cause, received
 from tfrecompute.cli import plots
 from tfrecompute.errors import InfeasibleBudgetError
 from tfrecompute.startup import quiet_tensorflow
@@ -397,10 +397,9 @@ def _load_model(command: str, args: argparse.Namespace) -> _Loaded:
     try:
         return _Loaded(keras.models.load_model(path, compile=False), _saved_optimizer(path))
     except Exception as error:  # noqa: BLE001 - any failure means "cannot read it"
-        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
         raise CliError(
-            f"tfrecompute {command}: cannot load the model file ({type(error).__name__}: "
-            f"{first}). {received('model', path)}. Pass a model saved with "
+            f"tfrecompute {command}: cannot load the model file ({cause(error)}). "
+            f"{received('model', path)}. Pass a model saved with "
             "model.save('model.keras'), with its custom layers importable.",
         ) from None
 

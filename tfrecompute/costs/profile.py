@@ -22,7 +22,7 @@ import tensorflow as tf
 
 from tfrecompute import strategies
 from tfrecompute._keras_internals import all_sublayers
-from tfrecompute._messages import as_bool, fail
+from tfrecompute._messages import as_bool, cause, fail
 from tfrecompute.costs.call_memory import CallMemory, TracedStep, traced_call_memory
 from tfrecompute.costs.measured import corrected, measure_call
 from tfrecompute.costs.optimizer import compiled_or_adam, optimizer_costs
@@ -516,19 +516,16 @@ def _unmeasured(
     such fallback, so `measure_time=True` raises.
     """
     called = getattr(call.layer, "name", None) or getattr(call.layer, "__name__", "a call")
-    what = f"measuring the call of '{called}' on synthetic inputs (normal floats, zero ids) failed"
-    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    what = (
+        f"measuring the call of '{called}' on synthetic inputs (normal floats, zero ids) "
+        f"failed ({cause(error)})"
+    )
     if measuring.time:
-        fail(
-            measuring.api,
-            f"{what} ({type(error).__name__}: {first})",
-            "measure_time",
-            True,
-            "Profile with measure_time=False to price each link's forward by its FLOPs",
-        )
+        fix = "Profile with measure_time=False to price each link's forward by its FLOPs"
+        fail(measuring.api, what, "measure_time", True, fix)
     warnings.warn(
-        f"{measuring.api}: {what} ({type(error).__name__}: {first}), so its memory is the "
-        "traced reading of its graph, which may miss buffers it allocates",
+        f"{measuring.api}: {what}, so its memory is the traced reading of its graph, which "
+        "may miss buffers it allocates",
         stacklevel=2,
     )
     return memory

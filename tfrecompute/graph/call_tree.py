@@ -21,7 +21,7 @@ import keras
 import tensorflow as tf
 
 from tfrecompute._keras_internals import is_functional, recording_calls
-from tfrecompute._messages import fail, received
+from tfrecompute._messages import cause, fail, received
 from tfrecompute.errors import UntraceableModelError
 from tfrecompute.graph.layer_graph import declared_input
 
@@ -180,8 +180,7 @@ def trace_model(model: keras.Model, inputs: Any, *, api: str = "profile") -> Tra
         where = recorder.stack[-1].name if recorder.stack else model.name
         raise UntraceableModelError(
             f"{api}: the model's call cannot be traced symbolically (on graph tensors of the "
-            f"sample's shapes, in training mode): layer {where!r} raised "
-            f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error) else ''}"
+            f"sample's shapes, in training mode): layer {where!r} raised {cause(error)}"
             f" {received('model', model, by_name=True)}. Make that call traceable by "
             "tf.function (no Python branches on tensor values, no .numpy()), or wrap its "
             "traceable parts in tfrecompute.RecomputeBlock yourself."
