@@ -238,18 +238,25 @@ MODELS: dict[str, Callable[[], Built]] = {
 SMOKE = {"gru_lm": lambda: _recurrent("gru_lm", batch=16, sequence=8, units=256)}
 
 
-def measure(name: str, plan_name: str, memory: str, smoke: bool) -> dict[str, Any]:
-    """One model under one plan, its memory predicted as `memory` says: predicted and
-    measured peaks (run in a worker process)."""
+def _compiled(name: str, smoke: bool) -> tuple[Any, Any, Any, str]:
+    """Model `name` built from seed 0 and compiled (XLA for the jit CNN): the model, its
+    batch and its optimizer's name."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import keras
-
-    import tfrecompute
-    from tfrecompute import strategies
 
     keras.utils.set_random_seed(0)
     model, x, y, loss, optimizer = (SMOKE if smoke else MODELS)[name]()
     model.compile(optimizer=optimizer, loss=loss, jit_compile=name == "jit_cnn")
+    return model, x, y, optimizer
+
+
+def measure(name: str, plan_name: str, memory: str, smoke: bool) -> dict[str, Any]:
+    """One model under one plan, its memory predicted as `memory` says: predicted and
+    measured peaks (run in a worker process)."""
+    import tfrecompute
+    from tfrecompute import strategies
+
+    model, x, y, optimizer = _compiled(name, smoke)
     start = time.process_time()
     calibrate = memory == "calibrated"
     chain = tfrecompute.plan(model, "none", sample=(x, y), calibrate=calibrate).chain
@@ -287,20 +294,15 @@ def measure(name: str, plan_name: str, memory: str, smoke: bool) -> dict[str, An
 def measure_stored(name: str, smoke: bool) -> dict[str, Any]:
     """One model storing everything: its traced prediction and one measured step (run in a
     worker process; `--spread`)."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import keras
-
     import tfrecompute
 
-    keras.utils.set_random_seed(0)
-    model, x, y, loss, optimizer = (SMOKE if smoke else MODELS)[name]()
-    model.compile(optimizer=optimizer, loss=loss, jit_compile=name == "jit_cnn")
+    model, x, y, _ = _compiled(name, smoke)
     predicted = tfrecompute.plan(model, "none", sample=(x, y)).peak_bytes
     step = tfrecompute.measure_step(model, x, y)
     return {"model": name, "predicted_bytes": predicted, "measured_bytes": step.peak_bytes}
 
 
-def _spread_lines(spread: list[dict[str, Any]]) -> list[str]:
+def _spread_lines(spread: Sequence[dict[str, Any]]) -> list[str]:
     """The spread section: per model, storing everything measured in several processes."""
     if not spread:
         return []
@@ -336,7 +338,7 @@ def _markdown(
     rows: list[dict[str, Any]],
     runs: list[dict[str, Any]],
     failed: list[dict[str, Any]],
-    spread: list[dict[str, Any]] = (),  # type: ignore[assignment]
+    spread: Sequence[dict[str, Any]] = (),
 ) -> str:
     lines = [
         "# Predictions on held-out models",
@@ -376,7 +378,7 @@ def _markdown(
             f"{r['requested_bytes'] / MiB:.1f} | {r['requested_error']:+.0%} | {budget} | "
             f"{r['planning_cpu_seconds']:.1f} |"
         )
-    lines += ["", *_above_storing_everything(rows), *_spread_lines(list(spread))]
+    lines += ["", *_above_storing_everything(rows), *_spread_lines(spread)]
     if failed:
         lines += [
             "",
@@ -506,19 +508,15 @@ def _previous(path: Path, names: Sequence[str], *, spread: bool) -> dict[str, An
         return {"rows": [], "runs": [], "failed": [], "spread": []}
     old = json.loads(path.read_text())
     kind = "spread" if spread else "plans"
-
-    def again(model: str) -> bool:
-        return model in names
-
     return {
-        "rows": [r for r in old["rows"] if spread or not again(r["model"])],
+        "rows": [r for r in old["rows"] if spread or r["model"] not in names],
         "runs": [
             run
             for run in old["runs"]
             if run.get("what", "plans") != kind or set(run["models"]) - set(names)
         ],
-        "failed": [f for f in old.get("failed", []) if spread or not again(f["model"])],
-        "spread": [r for r in old.get("spread", []) if not spread or not again(r["model"])],
+        "failed": [f for f in old.get("failed", []) if spread or f["model"] not in names],
+        "spread": [r for r in old.get("spread", []) if not spread or r["model"] not in names],
     }
 
 
