@@ -25,8 +25,7 @@ subclassed model) is listed with why.
 
 With `--spread K` each model instead stores everything in K fresh
 processes, one `measure_step` (the largest of three steps) each: the
-spread of the quantity the table calls *measured*, which on a CPU depends
-on the order TensorFlow's executor happens to run the step's ops in. A
+spread of the quantity the table calls *measured* between processes. A
 prediction cannot be held closer to one process's measurement than that.
 
 Writes `held_out.json` and `held_out.md` to benchmarks/results/.

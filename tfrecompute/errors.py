@@ -53,7 +53,8 @@ class UntraceableModelError(TfrecomputeError, ValueError):
     tfrecompute finds a model's calls by tracing `model(x, training=True)` once
     in a `tf.function`; a call that branches in Python on a tensor's value, or
     whose ops have no kernel for the dtypes of a mixed-precision policy, stops
-    that trace, and with it the graph-mode step `model.fit` compiles.
+    that trace (a Python branch on a tensor's value stops `model.fit`'s compiled
+    step too).
     `recompute` without a budget leaves such a model as it was and warns;
     `plan`, a budget or `verify=True` raise this error.
     """

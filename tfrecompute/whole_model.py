@@ -610,8 +610,9 @@ def _say_untraceable(model: keras.Model, error: UntraceableModelError) -> None:
     tfrecompute finds a model's calls by tracing its call in training mode in
     a `tf.function`, as `model.fit` compiles it. Some models cannot be (keras-hub's
     MoE routers' auxiliary loss and D-FINE's position embeddings under
-    `mixed_float16`, a scheduler that branches in Python on a tensor): their
-    graph-mode training step does not trace without tfrecompute either.
+    `mixed_float16`, a scheduler that branches in Python on a tensor). A call
+    that stops this trace stops `fit`'s compiled step as well (the test of a
+    Python branch on a tensor's value checks `fit` fails on it).
     `recompute` without a budget leaves such a model as it was, with one
     warning that says why, and `checkpoints(model)` tells the same; with a
     budget (which the model would not be held to), `plan` or

@@ -595,3 +595,7 @@ def test_an_untraceable_subclassed_model_names_the_layer():
     assert len([x for x in w if issubclass(x.category, UserWarning)]) == 1
     record = tfrecompute.checkpoints(net)
     assert not record and re.search(untraceable, record.note)
+    # Nor does `fit`'s compiled step trace it, with no tfrecompute in the way.
+    net.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(TypeError, match="SymbolicTensor"):
+        net.fit(sample, np.ones((2, 4), "float32"), epochs=1, verbose=0)
