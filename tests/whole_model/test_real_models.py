@@ -55,6 +55,9 @@ TRACES = {"unet": 16}
 # Under the load of a second test worker the largest order can be missed by all
 # 16, so U-Net's bound against the requested peak is the gap to the next order.
 REQUESTED_TOLERANCES = {"unet": 0.20}
+# The sqrt rewrite's requested median against storing everything's; U-Net's orders
+# (below) leave less room.
+SQRT_RATIO, SQRT_RATIOS = 0.75, {"unet": 0.85}
 # Memory is measured on three of the four: ResNet50's steps are the longest to
 # trace, and benchmarks/prediction_accuracy.py measures all four (its results file).
 MEASURED = sorted(set(MODELS) - {"resnet50"})
@@ -116,7 +119,7 @@ def test_sqrt_rewrite_fits_in_less_memory(name):
     # and the low storing-everything orders.
     plain = measured("none", median_requested_peak)
     blocked = measured(sqrt, median_requested_peak)
-    assert blocked <= (0.85 if name == "unet" else 0.75) * plain, (name, blocked, plain)
+    assert blocked <= SQRT_RATIOS.get(name, SQRT_RATIO) * plain, (name, blocked, plain)
 
     def step(model, x, y):
         return tfrecompute.measure_step(model, x, y, steps=3)
