@@ -269,6 +269,7 @@ def measure(name: str, plan_name: str, memory: str, smoke: bool) -> dict[str, An
     plan = tfrecompute.plan(model, strategy, budget=budget, sample=(x, y), calibrate=calibrate)
     tfrecompute.recompute(model, plan)
     planning = time.process_time() - start
+    replayed = plan.chain.calibration.replayed_peak_bytes(plan) if calibrate else None
     step = tfrecompute.measure_step(model, x, y)
     traced = [tfrecompute.trace_step(model, x, y, warmup=1) for _ in range(TRACES)]
     requested = max(t.requested_peak_bytes for t in traced)
@@ -285,6 +286,8 @@ def measure(name: str, plan_name: str, memory: str, smoke: bool) -> dict[str, An
         "requested_bytes": requested,
         "error": plan.peak_bytes / max(step.peak_bytes, 1) - 1,
         "requested_error": plan.peak_bytes / max(requested, 1) - 1,
+        "replayed_bytes": replayed,
+        "replayed_error": None if replayed is None else replayed / max(step.peak_bytes, 1) - 1,
         "budget_bytes": budget,
         "planning_cpu_seconds": planning,
     }
@@ -362,21 +365,23 @@ def _markdown(
             f"{len(errors)} plans; within 25% {sum(e <= 0.25 for e in errors)}; the largest "
             f"error {max(errors, default=0):.0%}."
         )
+    replayed = [abs(r["replayed_error"]) for r in rows if r.get("replayed_error") is not None]
+    if replayed:
+        lines.append(
+            f"- replayed (a calibrated plan's step replayed through the allocator, "
+            f"`Calibration.replayed_peak_bytes`): within 10% of the allocator "
+            f"{sum(e <= 0.10 for e in replayed)} of {len(replayed)} plans; within 25% "
+            f"{sum(e <= 0.25 for e in replayed)}; the largest error {max(replayed):.0%}."
+        )
     lines += [
         "",
         "| model | optimizer | links | plan | memory | segments | predicted MiB | measured MiB "
-        "| error | requested MiB | error vs requested | measured / budget | planning CPU s |",
-        "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| error | requested MiB | error vs requested | replayed MiB | error of replayed "
+        "| measured / budget | planning CPU s |",
+        "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        budget = f"{r['measured_bytes'] / r['budget_bytes']:.0%}" if r["budget_bytes"] else "-"
-        lines.append(
-            f"| {r['model']} | {r['optimizer']} | {r['links']} | {r['plan']} | "
-            f"{r.get('memory', 'traced')} | {r['segments']} | {r['predicted_bytes'] / MiB:.1f} | "
-            f"{r['measured_bytes'] / MiB:.1f} | {r['error']:+.0%} | "
-            f"{r['requested_bytes'] / MiB:.1f} | {r['requested_error']:+.0%} | {budget} | "
-            f"{r['planning_cpu_seconds']:.1f} |"
-        )
+        lines.append(_row(r))
     lines += ["", *_above_storing_everything(rows), *_spread_lines(spread)]
     if failed:
         lines += [
@@ -393,6 +398,20 @@ def _markdown(
                 f"| {f['model']} | {f['plan']} | {f.get('memory', 'traced')} | {last[:300]} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _row(r: dict[str, Any]) -> str:
+    """One plan's line of the table."""
+    budget = f"{r['measured_bytes'] / r['budget_bytes']:.0%}" if r["budget_bytes"] else "-"
+    replayed = r.get("replayed_bytes")
+    replay = "- | -" if replayed is None else f"{replayed / MiB:.1f} | {r['replayed_error']:+.0%}"
+    return (
+        f"| {r['model']} | {r['optimizer']} | {r['links']} | {r['plan']} | "
+        f"{r.get('memory', 'traced')} | {r['segments']} | {r['predicted_bytes'] / MiB:.1f} | "
+        f"{r['measured_bytes'] / MiB:.1f} | {r['error']:+.0%} | "
+        f"{r['requested_bytes'] / MiB:.1f} | {r['requested_error']:+.0%} | {replay} | {budget} | "
+        f"{r['planning_cpu_seconds']:.1f} |"
+    )
 
 
 def _above_storing_everything(rows: list[dict[str, Any]]) -> list[str]:

@@ -71,6 +71,7 @@ ORDER = [
     "tfrecompute.pipeline",
     "tfrecompute.check",
     "tfrecompute.check.measure",
+    "tfrecompute.check.replay",
     "tfrecompute.check.twin",
     "tfrecompute.check.calibrate",
     "tfrecompute.check.verified_plan",

@@ -19,10 +19,13 @@ def test_smoke_run_measures_each_plan_in_its_own_process(tmp_path):
         assert row["predicted_bytes"] > 0 and row["measured_bytes"] > 0
         assert row["requested_bytes"] > 0 and row["planning_cpu_seconds"] > 0
         assert abs(row["error"] - (row["predicted_bytes"] / row["measured_bytes"] - 1)) < 1e-9
+        # A calibrated plan's step is also replayed through the allocator.
+        assert (row["replayed_bytes"] is None) == (row["memory"] == "traced")
     assert len(report["runs"]) == 1 and report["runs"][0]["models"] == ["gru_lm"]
     assert report["failed"] == []
     assert "| gru_lm | adam |" in table and "- calibrated: within 10% of the allocator" in table
     assert "Default plans (calibrated) that recompute something and measured above" in table
+    assert "- replayed (a calibrated plan's step replayed through the allocator" in table
 
     report, table = run_benchmark_smoke("held_out", tmp_path, args=["--spread", "2"])
     assert {(r["model"], r["plan"], r["memory"]) for r in report["rows"]} == set(rows)

@@ -57,6 +57,7 @@ import numpy as np
 
 from tfrecompute import strategies
 from tfrecompute._messages import fail
+from tfrecompute.check import replay
 from tfrecompute.check.measure import requested_peak, traced_events
 from tfrecompute.check.twin import compiled_like, functional_twin, labelled, weights_restored
 from tfrecompute.costs.profile import ProfiledModel
@@ -97,6 +98,9 @@ class Calibration:
         seconds: the wall time the calibration took.
         traced: the chain before calibration (predicted from the traced
             calls only). Not part of equality or repr.
+        record: the measured step's allocator events, each allocation placed
+            on its link (`replay.Buffer`), from which a plan's step is
+            replayed (`replayed_peak_bytes`). Not part of equality or repr.
     """
 
     measured_bytes: int
@@ -110,9 +114,22 @@ class Calibration:
     excess_bytes: int
     seconds: float
     traced: strategies.Chain | None = dataclasses.field(default=None, compare=False, repr=False)
+    record: tuple[replay.Buffer, ...] = dataclasses.field(default=(), compare=False, repr=False)
 
-    def summary(self) -> str:
-        """A plan summary's lines: what was measured, then what it changed, one per line."""
+    def replayed_peak_bytes(self, plan: strategies.Plan) -> int | None:
+        """The allocator's peak of `plan`'s step, replayed from the measured step through a
+        simulation of TensorFlow's allocator (NOTE [ Replaying a plan through the
+        allocator ] in `tfrecompute/check/replay.py`), or None where the plan cannot be
+        replayed: a segment recomputes in part (a policy state) or nothing was recorded."""
+        if not self.record or self.traced is None:
+            return None
+        if any(plan.state(i) for i in range(len(plan.segments))):
+            return None
+        return replay.replayed_peak(self.record, plan.segments, self.traced.output_bytes)
+
+    def summary(self, plan: strategies.Plan | None = None) -> str:
+        """A plan summary's lines: what was measured, then what it changed, one per line;
+        with `plan`, also its step replayed through the allocator."""
         fmt = strategies.format_bytes
         lines = [
             f"Memory calibrated by a measured step storing everything: {fmt(self.measured_bytes)}"
@@ -134,6 +151,12 @@ class Calibration:
             )
         if self.excess_bytes:
             lines.append(f"  still predicted {fmt(self.excess_bytes)} above the measured step")
+        replayed = None if plan is None else self.replayed_peak_bytes(plan)
+        if replayed is not None:
+            lines.append(
+                f"  this plan's step replayed through the allocator: {fmt(replayed)} "
+                "(its buffers as the allocator rounds them)"
+            )
         return "\n".join(lines)
 
 
@@ -201,6 +224,7 @@ def _calibrated(api: str, chain: strategies.Chain, sample: Any) -> strategies.Ch
         excess_bytes=max(0, predicted - measured.peak),
         seconds=time.perf_counter() - start,
         traced=chain,
+        record=measured.record,
     )
     placed = dataclasses.replace(reconciled, overhead_bytes=chain.overhead_bytes + unplaced)
     return dataclasses.replace(_scaled(placed, rounding), calibration=calibration)
@@ -262,6 +286,7 @@ class _Measured:
     held: list[int]  # per link, the most its ops (forward and gradient) hold at once
     peak: int  # the allocator's peak of the step
     requested: int  # the most bytes its buffers requested at once
+    record: tuple[replay.Buffer, ...]  # its allocator events, placed on links
 
 
 def _measured_step(api: str, source: ProfiledModel, batch: tuple[Any, Any], n: int) -> _Measured:
@@ -284,7 +309,8 @@ def _measured_step(api: str, source: ProfiledModel, batch: tuple[Any, Any], n: i
         if link is not None:
             kept[link] += size
     most = _most_held(events, link_of_op, n)
-    return _Measured(kept, most, step.peak_bytes, requested_peak(events))
+    record = replay.recorded(events, link_of_op)
+    return _Measured(kept, most, step.peak_bytes, requested_peak(events), record)
 
 
 class _Calling(keras.Model):

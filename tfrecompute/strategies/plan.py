@@ -259,7 +259,7 @@ proven_optimal=False)
             f"pass (total forward cost {_number(total)})",
         ]
         if chain.calibration is not None:
-            lines.append(chain.calibration.summary())  # type: ignore[attr-defined]
+            lines.append(chain.calibration.summary(self))  # type: ignore[attr-defined]
         elif chain.source is not None:
             lines.append("Memory predicted from the traced calls, not measured (calibrate=True)")
         return "\n".join(lines)

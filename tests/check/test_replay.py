@@ -1,0 +1,124 @@
+"""A plan's step replayed from a measured step through a simulation of TensorFlow's allocator."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+import tfrecompute
+from tfrecompute.check import replay
+
+MiB = 2**20
+
+
+def test_a_request_takes_the_smallest_free_chunk_split_only_at_twice_its_size():
+    bfc = replay._BFC()
+    bfc.allocate("first", 3 * MiB)  # a new region of 4 MiB: less than twice, held whole
+    assert bfc.in_use == 4 * MiB
+    bfc.allocate("a", 5 * MiB)  # a new region, doubled to 8 MiB: held whole
+    assert bfc.in_use == 12 * MiB
+    region = bfc.at["a"]
+    bfc.release("a")
+    bfc.allocate("b", 3 * MiB)  # the free 8 MiB chunk is at least twice 3: split
+    assert bfc.in_use == 7 * MiB
+    bfc.allocate("c", 3 * MiB)  # the 5 MiB left is less than twice 3: held whole
+    assert bfc.in_use == 12 * MiB
+    bfc.release("b")
+    bfc.release("c")  # its neighbour below is free: the two merge back into 8 MiB
+    assert bfc.free == [(8 * MiB, region)]
+    bfc.allocate("d", 100)  # rounded up to 256 bytes, from the smallest free chunk
+    assert bfc.in_use == 4 * MiB + 256
+    assert bfc.peak == 12 * MiB
+
+
+def _record() -> list[replay.Buffer]:
+    """Three links, each a forward intermediate and an output (link 2's output is the
+    loss's input), then their gradients in reverse, each freeing what its link kept."""
+    B = replay.Buffer
+    return [
+        B(True, 1, 1 * MiB, link=0),  # link 0's intermediate
+        B(True, 2, 2 * MiB, link=0),  # link 0's output
+        B(True, 3, 4 * MiB, link=1),  # link 1's intermediate
+        B(True, 4, 2 * MiB, link=1),  # link 1's output
+        B(True, 5, 1 * MiB, link=2),
+        B(True, 6, 2 * MiB, link=2),
+        B(True, 7, 2 * MiB, link=2, forward=False),  # link 2's input gradient
+        B(False, 5, 1 * MiB),
+        B(False, 6, 2 * MiB),
+        B(True, 8, 2 * MiB, link=1, forward=False),
+        B(False, 3, 4 * MiB),
+        B(False, 4, 2 * MiB),
+        B(False, 7, 2 * MiB),
+        B(True, 9, 2 * MiB, link=0, forward=False),
+        B(False, 1, 1 * MiB),
+        B(False, 2, 2 * MiB),
+        B(False, 8, 2 * MiB),
+        B(False, 9, 2 * MiB),
+    ]
+
+
+def _requested_peak(events: list) -> int:
+    live, peak = {}, 0
+    for allocates, key, requested in events:
+        if allocates:
+            live[key] = requested
+        else:
+            live.pop(key, None)
+        peak = max(peak, sum(live.values()))
+    return peak
+
+
+def test_a_recomputed_segment_frees_its_forward_and_allocates_it_again_for_its_backward():
+    record = _record()
+    outputs = [2 * MiB] * 3
+    stored = replay._plan_events(record, (), outputs)
+    assert [key for _, key, _ in stored] == [("step", i) for i in range(6)] + [
+        ("step", i) for i in (6, 4, 5, 9, 2, 3, 6, 13, 0, 1, 9, 13)
+    ]
+    assert _requested_peak(stored) == 14 * MiB  # the forward's 12 and link 2's gradient
+    planned = replay._plan_events(record, ((1, 2),), outputs)
+    keys = [(allocates, key) for allocates, key, _ in planned]
+    # Link 1's intermediate is freed at its forward's end, its output kept; both are
+    # allocated again before link 1's first gradient buffer, the output freed at once.
+    assert keys.index((False, ("step", 2))) == keys.index((True, ("step", 3))) + 1
+    again = keys.index((True, ("again", 2)))
+    assert keys[again : again + 4] == [
+        (True, ("again", 2)),
+        (True, ("again", 3)),
+        (False, ("again", 3)),
+        (True, ("step", 9)),
+    ]
+    assert (False, ("again", 2)) in keys  # freed where the measured step freed it
+    # 1 MiB less than storing everything: link 1's intermediate is not held through link
+    # 2's backward, and its recomputed output is held beside the stored one a moment.
+    assert _requested_peak(planned) == 13 * MiB
+    assert replay.replayed_peak(record, ((1, 2),), outputs) < replay.replayed_peak(
+        record, (), outputs
+    )
+
+
+def test_a_plan_replayed_from_a_calibration_follows_its_measured_step():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((64, 64, 3))
+    h = inputs
+    for _ in range(6):
+        h = keras.layers.Conv2D(16, 3, padding="same", use_bias=False)(h)
+        h = keras.layers.BatchNormalization()(h)
+        h = keras.layers.ReLU()(h)
+    model = keras.Model(inputs, keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(h)))
+    model.compile(optimizer="sgd", loss="mse")
+    rng = np.random.default_rng(0)
+    sample = rng.random((32, 64, 64, 3), dtype="float32"), rng.random((32, 10), dtype="float32")
+    stored = tfrecompute.plan(model, "none", sample=sample, calibrate=True)
+    calibration = stored.chain.calibration
+    assert calibration.replayed_peak_bytes(stored) == pytest.approx(
+        calibration.measured_bytes, rel=0.1
+    )
+    plan = tfrecompute.plan(model, "sqrt", sample=sample, calibrate=True)
+    replayed = calibration.replayed_peak_bytes(plan)
+    assert "this plan's step replayed through the allocator: " in plan.summary()
+    tfrecompute.recompute(model, plan)
+    measured = tfrecompute.measure_step(model, *sample).peak_bytes
+    assert replayed < 0.75 * calibration.replayed_peak_bytes(stored)
+    assert replayed == pytest.approx(measured, rel=0.25)
