@@ -122,3 +122,18 @@ def test_a_plan_replayed_from_a_calibration_follows_its_measured_step():
     measured = tfrecompute.measure_step(model, *sample).peak_bytes
     assert replayed < 0.75 * calibration.replayed_peak_bytes(stored)
     assert replayed == pytest.approx(measured, rel=0.25)
+
+
+def test_variables_held_between_steps_fill_the_first_regions_before_a_replayed_step():
+    variables = [
+        keras.Variable(np.zeros((512, 512), "float32")),  # 1 MiB
+        keras.Variable(np.zeros((512, 256), "float32"), dtype="bfloat16"),  # 256 KiB
+        keras.Variable(np.zeros((10,), "float32")),  # served outside the traced allocator
+    ]
+    assert replay.resident_bytes(variables) == (MiB, MiB // 4)
+    # A step of one 1 MiB buffer: alone, the first 2 MiB region is split for it. After a
+    # 768 KiB variable took the start of that region, the 1.25 MiB left is less than
+    # twice the request and is held whole.
+    step = [replay.Buffer(True, 1, MiB, link=0), replay.Buffer(False, 1, MiB)]
+    assert replay.replayed_peak(step, (), [MiB]) == MiB
+    assert replay.replayed_peak(step, (), [MiB], resident=(3 * MiB // 4,)) == 5 * MiB // 4

@@ -101,6 +101,9 @@ class Calibration:
         record: the measured step's allocator events, each allocation placed
             on its link (`replay.Buffer`), from which a plan's step is
             replayed (`replayed_peak_bytes`). Not part of equality or repr.
+        resident: the bytes of the model's and its optimizer's variables the
+            allocator holds between steps, in creation order, allocated
+            before a replayed step. Not part of equality or repr.
     """
 
     measured_bytes: int
@@ -115,6 +118,7 @@ class Calibration:
     seconds: float
     traced: strategies.Chain | None = dataclasses.field(default=None, compare=False, repr=False)
     record: tuple[replay.Buffer, ...] = dataclasses.field(default=(), compare=False, repr=False)
+    resident: tuple[int, ...] = dataclasses.field(default=(), compare=False, repr=False)
 
     def replayed_peak_bytes(self, plan: strategies.Plan) -> int | None:
         """The allocator's peak of `plan`'s step, replayed from the measured step through a
@@ -125,7 +129,9 @@ class Calibration:
             return None
         if any(plan.state(i) for i in range(len(plan.segments))):
             return None
-        return replay.replayed_peak(self.record, plan.segments, self.traced.output_bytes)
+        return replay.replayed_peak(
+            self.record, plan.segments, self.traced.output_bytes, resident=self.resident
+        )
 
     def summary(self, plan: strategies.Plan | None = None) -> str:
         """A plan summary's lines: what was measured, then what it changed, one per line;
@@ -225,6 +231,7 @@ def _calibrated(api: str, chain: strategies.Chain, sample: Any) -> strategies.Ch
         seconds=time.perf_counter() - start,
         traced=chain,
         record=measured.record,
+        resident=measured.resident,
     )
     placed = dataclasses.replace(reconciled, overhead_bytes=chain.overhead_bytes + unplaced)
     return dataclasses.replace(_scaled(placed, rounding), calibration=calibration)
@@ -287,6 +294,7 @@ class _Measured:
     peak: int  # the allocator's peak of the step
     requested: int  # the most bytes its buffers requested at once
     record: tuple[replay.Buffer, ...]  # its allocator events, placed on links
+    resident: tuple[int, ...]  # the bytes of each variable the allocator holds between steps
 
 
 def _measured_step(api: str, source: ProfiledModel, batch: tuple[Any, Any], n: int) -> _Measured:
@@ -310,7 +318,8 @@ def _measured_step(api: str, source: ProfiledModel, batch: tuple[Any, Any], n: i
             kept[link] += size
     most = _most_held(events, link_of_op, n)
     record = replay.recorded(events, link_of_op)
-    return _Measured(kept, most, step.peak_bytes, requested_peak(events), record)
+    resident = replay.resident_bytes([*twin.weights, *twin.optimizer.variables])
+    return _Measured(kept, most, step.peak_bytes, requested_peak(events), record, resident)
 
 
 class _Calling(keras.Model):

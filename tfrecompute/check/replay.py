@@ -19,14 +19,18 @@ replayed:
 2. The plan's step is that sequence changed as the plan changes it: the
    forward buffers of a recomputed segment still held at the segment's
    forward end are freed there (all but the one its last link outputs);
-   before the segment's first gradient buffer its forward buffers are
+   before the segment's first gradient buffer after the forward's last
+   buffer (gradient ops that need no incoming gradient run early, from
+   the step's start: a loop's accumulators) its forward buffers are
    allocated again, in order, and freed where the measured step freed
    them (the ones it freed within the forward right away, its output at
    the recomputation's end).
 3. That sequence runs through a simulation of the BFC allocator (allow
-   growth: regions from 2 MiB, doubling) for `STEPS` steps in a row: a
-   buffer of one step freed by the next (a variable's previous buffer)
-   is matched by its requested bytes. The replayed peak is the largest of
+   growth: regions from 2 MiB, doubling) for `STEPS` steps in a row,
+   after the model's and its optimizer's variables (`resident`, in
+   creation order: they fill the first regions): a buffer freed that was
+   allocated before its step (a variable's previous buffer, which an
+   update replaces) is matched by its requested bytes. The replayed peak is the largest of
    the steps after the first, above the bytes in use before each, as
    `measure_step` reports it.
 
@@ -45,12 +49,16 @@ import dataclasses
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
-__all__ = ["STEPS", "Buffer", "recorded", "replayed_peak"]
+import numpy as np
+import tensorflow as tf
+
+__all__ = ["STEPS", "Buffer", "recorded", "replayed_peak", "resident_bytes"]
 
 STEPS = 4  # steps replayed in a row: one as the warm-up, three as `measure_step` measures
 _MIN_CHUNK = 256  # the BFC allocator rounds every request up to a multiple of this
 _SPLIT_ABOVE = 128 << 20  # a chunk is split when the rest is at least this, whatever the request
 _FIRST_REGION = 2 << 20  # the first region under allow_growth; each new one doubles
+_TRACED_FROM = 256 << 10  # the CPU allocator's events and peak leave out smaller buffers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,11 +102,19 @@ def recorded(
     return tuple(buffers)
 
 
+def resident_bytes(variables: Iterable[Any]) -> tuple[int, ...]:
+    """The bytes of each variable the allocator holds between steps, in order: those of
+    256 KiB or more (on CPU smaller ones are served outside the allocator replayed)."""
+    sizes = (int(np.prod(v.shape)) * tf.as_dtype(str(v.dtype)).size for v in variables)
+    return tuple(size for size in sizes if size >= _TRACED_FROM)
+
+
 def replayed_peak(
     record: Sequence[Buffer],
     segments: Sequence[tuple[int, int]],
     output_bytes: Sequence[int],
     steps: int = STEPS,
+    resident: Sequence[int] = (),
 ) -> int:
     """The allocator's peak of a plan's step replayed from a measured step storing
     everything (NOTE [ Replaying a plan through the allocator ]): `record` is that step,
@@ -106,6 +122,9 @@ def replayed_peak(
     events = _plan_events(record, segments, output_bytes)
     allocator = _BFC()
     carried: dict[int, collections.deque[Hashable]] = collections.defaultdict(collections.deque)
+    for index, size in enumerate(resident):
+        allocator.allocate(("resident", index), size)
+        carried[size].append(("resident", index))
     peaks = []
     for step in range(steps):
         start = allocator.in_use
@@ -143,11 +162,13 @@ def _plan_events(
     freed = _freed_at(record)
     forward: dict[int, list[int]] = collections.defaultdict(list)
     backward: dict[int, int] = {}  # segment -> its first gradient buffer's event
-    for i, buffer in enumerate(record):
-        k = segment_of.get(buffer.link) if buffer.allocates else None  # type: ignore[arg-type]
-        if k is not None and buffer.forward:
+    linked = [i for i, b in enumerate(record) if b.allocates and b.link is not None]
+    forward_end = max((i for i in linked if record[i].forward), default=-1)
+    for i in linked:
+        k = segment_of.get(record[i].link)  # type: ignore[arg-type]
+        if k is not None and record[i].forward:
             forward[k].append(i)
-        elif k is not None:
+        elif k is not None and i > forward_end:  # gradient ops run early: not the backward
             backward.setdefault(k, i)
     released: set[int] = set()
     after: dict[int, list[_Event]] = collections.defaultdict(list)
