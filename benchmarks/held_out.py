@@ -269,7 +269,7 @@ def measure(name: str, plan_name: str, memory: str, smoke: bool) -> dict[str, An
     plan = tfrecompute.plan(model, strategy, budget=budget, sample=(x, y), calibrate=calibrate)
     tfrecompute.recompute(model, plan)
     planning = time.process_time() - start
-    replayed = plan.chain.calibration.replayed_peak_bytes(plan) if calibrate else None
+    replayed = plan.replayed_peak_bytes
     step = tfrecompute.measure_step(model, x, y)
     traced = [tfrecompute.trace_step(model, x, y, warmup=1) for _ in range(TRACES)]
     requested = max(t.requested_peak_bytes for t in traced)
@@ -369,7 +369,7 @@ def _markdown(
     if replayed:
         lines.append(
             f"- replayed (a calibrated plan's step replayed through the allocator, "
-            f"`Calibration.replayed_peak_bytes`): within 10% of the allocator "
+            f"`Plan.replayed_peak_bytes`): within 10% of the allocator "
             f"{sum(e <= 0.10 for e in replayed)} of {len(replayed)} plans; within 25% "
             f"{sum(e <= 0.25 for e in replayed)}; the largest error {max(replayed):.0%}."
         )

@@ -157,7 +157,7 @@ class Calibration:
             )
         if self.excess_bytes:
             lines.append(f"  still predicted {fmt(self.excess_bytes)} above the measured step")
-        replayed = None if plan is None else self.replayed_peak_bytes(plan)
+        replayed = None if plan is None else plan.replayed_peak_bytes
         if replayed is not None:
             lines.append(
                 f"  this plan's step replayed through the allocator: {fmt(replayed)} "

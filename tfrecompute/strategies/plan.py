@@ -195,6 +195,18 @@ proven_optimal=False)
         """Whether segment `index` is recomputed under a policy."""
         return self.state(index) > 0
 
+    @property
+    def replayed_peak_bytes(self) -> int | None:
+        """The allocator's peak of this plan's step, replayed from the measured step of a
+        calibrated chain (`calibrate=True`) through a simulation of TensorFlow's allocator
+        (NOTE [ Replaying a plan through the allocator ] in
+        `tfrecompute/check/replay.py`); None when the chain is not calibrated or a segment
+        recomputes in part."""
+        calibration = self.chain.calibration
+        if calibration is None:
+            return None
+        return calibration.replayed_peak_bytes(self)  # type: ignore[attr-defined]
+
     def state(self, index: int) -> int:
         """Segment `index`'s state: 0 recomputed whole, `k` under policy state `k`."""
         return self.selective[index] if self.selective else 0
