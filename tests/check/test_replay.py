@@ -138,11 +138,13 @@ def test_variables_held_between_steps_fill_the_first_regions_before_a_replayed_s
     assert replay.replayed_peak(step, (), [MiB], resident=(3 * MiB // 4,)) == 5 * MiB // 4
 
 
-def test_a_gradient_op_run_from_the_steps_start_does_not_begin_a_segments_backward():
-    # A recurrent layer's gradient accumulators are allocated before the forward runs.
+def test_a_gradient_op_run_from_the_steps_start_runs_in_a_recomputed_segments_backward():
+    # A recurrent layer's gradient accumulators are allocated before the forward runs;
+    # inside a block they are made in its backward, with its recomputation.
     record = [replay.Buffer(True, 99, MiB, link=1, forward=False), *_record()]
     planned = replay._plan_events(record, ((1, 2),), [2 * MiB] * 3)
     keys = [(allocates, key) for allocates, key, _ in planned]
     recomputed = keys.index((True, ("again", 3)))
     assert recomputed > keys.index((True, ("step", 7)))  # after link 2's gradient
-    assert keys[recomputed + 3] == (True, ("step", 10))  # right before link 1's
+    assert keys[recomputed + 3 : recomputed + 5] == [(True, ("step", 0)), (True, ("step", 10))]
+    assert keys.count((True, ("step", 0))) == 1  # not at the step's start any more
