@@ -27,12 +27,16 @@ With `--spread K` each model instead stores everything in K fresh
 processes, one `measure_step` (the largest of three steps) each: the
 spread of the quantity the table calls *measured* between processes. A
 prediction cannot be held closer to one process's measurement than that.
+`--spread-plan default` measures the default plan so, planned with
+`calibrate=True` in each process, its calibrated and replayed predictions
+beside it.
 
 Writes `held_out.json` and `held_out.md` to benchmarks/results/.
 
     python benchmarks/held_out.py                      # every model, about an hour on 2 cores
     python benchmarks/held_out.py --models gru_lm unet
     python benchmarks/held_out.py --spread 5           # storing everything, 5 processes each
+    python benchmarks/held_out.py --spread 3 --spread-plan default
     python benchmarks/held_out.py --smoke              # one small model, a temporary folder
 """
 
@@ -293,47 +297,73 @@ def measure(name: str, plan_name: str, memory: str, smoke: bool) -> dict[str, An
     }
 
 
-def measure_stored(name: str, smoke: bool) -> dict[str, Any]:
-    """One model storing everything: its traced prediction and one measured step (run in a
-    worker process; `--spread`)."""
+def measure_spread(name: str, plan_name: str, smoke: bool) -> dict[str, Any]:
+    """One model under one plan in a worker process (`--spread`): storing everything with
+    its traced prediction, or the default plan with its calibrated prediction and its
+    replayed peak; and one measured step."""
     import tfrecompute
 
     model, x, y, _ = _compiled(name, smoke)
-    predicted = tfrecompute.plan(model, "none", sample=(x, y)).peak_bytes
+    calibrate = plan_name == "default"
+    strategy = None if calibrate else "none"
+    plan = tfrecompute.plan(model, strategy, sample=(x, y), calibrate=calibrate)
+    tfrecompute.recompute(model, plan)
     step = tfrecompute.measure_step(model, x, y)
-    return {"model": name, "predicted_bytes": predicted, "measured_bytes": step.peak_bytes}
+    return {
+        "model": name,
+        "plan": plan_name,
+        "segments": len(plan.segments),
+        "predicted_bytes": plan.peak_bytes,
+        "replayed_bytes": plan.replayed_peak_bytes,
+        "measured_bytes": step.peak_bytes,
+    }
 
 
 def _spread_lines(spread: Sequence[dict[str, Any]]) -> list[str]:
-    """The spread section: per model, storing everything measured in several processes."""
+    """The spread section: per model and plan, measured in several processes."""
     if not spread:
         return []
     lines = [
         "",
         "## The measured peak's own spread",
         "",
-        "Storing everything, each model in several fresh processes (`--spread`), one "
-        "`measure_step` each (the largest of three steps, as *measured* above). Spread = "
-        "largest / smallest - 1; the traced prediction's error is against the median.",
+        "Each model in several fresh processes (`--spread`), one `measure_step` each (the "
+        "largest of three steps, as *measured* above): storing everything with its traced "
+        "prediction, and the default plan planned with `calibrate=True` in each process (its "
+        "plan can differ between processes) with its calibrated prediction and its replayed "
+        "peak. Spread = largest / smallest - 1; errors are of the predictions' median "
+        "against the measured median.",
         "",
-        "| model | processes | measured MiB (least, median, most) | spread "
-        "| traced prediction MiB | error vs median | inside the range |",
-        "|---|---:|---|---:|---:|---:|---|",
+        "| model | plan | processes | measured MiB (least, median, most) | spread "
+        "| predicted MiB | error vs median | replayed MiB | error vs median |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|",
     ]
-    by_model: dict[str, list[dict[str, Any]]] = {}
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for row in spread:
-        by_model.setdefault(row["model"], []).append(row)
-    for model in sorted(by_model, key=lambda m: list(MODELS).index(m) if m in MODELS else -1):
-        peaks = sorted(r["measured_bytes"] for r in by_model[model])
+        groups.setdefault((row["model"], row.get("plan", "none")), []).append(row)
+    for model, plan in sorted(groups, key=_spread_order):
+        rows = groups[(model, plan)]
+        peaks = sorted(r["measured_bytes"] for r in rows)
         median = statistics.median(peaks)
-        predicted = statistics.median(r["predicted_bytes"] for r in by_model[model])
-        inside = "yes" if peaks[0] <= predicted <= peaks[-1] else "no"
+        predicted = statistics.median(r["predicted_bytes"] for r in rows)
+        replays = [r["replayed_bytes"] for r in rows if r.get("replayed_bytes") is not None]
+        replayed = statistics.median(replays) if replays else None
+        replay = (
+            "- | -"
+            if replayed is None
+            else f"{replayed / MiB:.1f} | {replayed / max(median, 1) - 1:+.0%}"
+        )
         lines.append(
-            f"| {model} | {len(peaks)} | {peaks[0] / MiB:.1f}, {median / MiB:.1f}, "
+            f"| {model} | {plan} | {len(peaks)} | {peaks[0] / MiB:.1f}, {median / MiB:.1f}, "
             f"{peaks[-1] / MiB:.1f} | {peaks[-1] / max(peaks[0], 1) - 1:.0%} | "
-            f"{predicted / MiB:.1f} | {predicted / max(median, 1) - 1:+.0%} | {inside} |"
+            f"{predicted / MiB:.1f} | {predicted / max(median, 1) - 1:+.0%} | {replay} |"
         )
     return lines
+
+
+def _spread_order(key: tuple[str, str]) -> tuple[int, int]:
+    model, plan = key
+    return (list(MODELS).index(model) if model in MODELS else -1, PLANS.index(plan))
 
 
 def _markdown(
@@ -435,7 +465,8 @@ def _above_storing_everything(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def _run_line(run: dict[str, Any]) -> str:
-    what = " (spread)" if run.get("what") == "spread" else ""
+    what = {"plans": "", "spread": " (spread)"}.get(run.get("what", "plans"))
+    what = f" ({run['what']} plan)" if what is None else what
     return (
         f"{run['started']}{what} ({run['minutes']:.0f} min, load average before "
         f"{run['load_before']}, tfrecompute {run['commit']}): {', '.join(run['models'])}"
@@ -453,13 +484,21 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--worker", nargs=3, metavar=("MODEL", "PLAN", "MEMORY"), help=argparse.SUPPRESS
     )
-    parser.add_argument("--spread-worker", metavar="MODEL", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--spread-plan",
+        choices=("none", "default"),
+        default="none",
+        help="with --spread: the plan measured (default: storing everything)",
+    )
+    parser.add_argument(
+        "--spread-worker", nargs=2, metavar=("MODEL", "PLAN"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(measure(*args.worker, args.smoke)))
         return {}
     if args.spread_worker:
-        print(json.dumps(measure_stored(args.spread_worker, args.smoke)))
+        print(json.dumps(measure_spread(*args.spread_worker, args.smoke)))
         return {}
     if args.spread is not None and args.spread < 2:
         parser.error(f"--spread: at least 2 processes. Received: --spread {args.spread}")
@@ -467,7 +506,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     out = _report.output_dir(args.out, smoke=args.smoke, name=NAME)
     started, load = time.strftime("%Y-%m-%d %H:%M"), os.getloadavg()
     begin = time.perf_counter()
-    previous = _previous(out / f"{NAME}.json", names, spread=args.spread is not None)
+    spread = args.spread_plan if args.spread is not None else None
+    previous = _previous(out / f"{NAME}.json", names, spread=spread)
     new: dict[str, list[dict[str, Any]]] = {"rows": [], "failed": [], "spread": []}
     report: dict[str, Any] = {}
     for index, name in enumerate(names):
@@ -478,7 +518,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "load_before": ", ".join(f"{value:.2f}" for value in load),
             "commit": _commit(),
             "models": names[: index + 1],
-            "what": "spread" if args.spread else "plans",
+            "what": _what(spread),
         }
         report = {  # written after each model, so that a stopped run keeps what it measured
             "machine": _report.machine(),
@@ -499,7 +539,7 @@ def _measure_model(name: str, args: Any, new: dict[str, list[dict[str, Any]]]) -
     script, extra = Path(__file__).resolve(), ["--smoke"] if args.smoke else []
     if args.spread:
         for _ in range(args.spread):
-            worker = ["--spread-worker", name, *extra]
+            worker = ["--spread-worker", name, args.spread_plan, *extra]
             new["spread"].append(_report.run_worker(script, worker, timeout=1800))
         return
     for plan in SMOKE_PLANS if args.smoke else PLANS:
@@ -519,13 +559,13 @@ def _order(row: dict[str, Any]) -> tuple[int, int, int]:
     return model, PLANS.index(row["plan"]), MEMORY.index(row.get("memory", "traced"))
 
 
-def _previous(path: Path, names: Sequence[str], *, spread: bool) -> dict[str, Any]:
+def _previous(path: Path, names: Sequence[str], *, spread: str | None) -> dict[str, Any]:
     """The rows, runs, failures and spread of an earlier report, less what is run again
-    (the plans of `names`, or with `spread` their spread)."""
+    (the plans of `names`, or with `spread`, a plan's name, their spread of that plan)."""
     if not path.exists():
         return {"rows": [], "runs": [], "failed": [], "spread": []}
     old = json.loads(path.read_text())
-    kind = "spread" if spread else "plans"
+    kind = _what(spread)
     return {
         "rows": [r for r in old["rows"] if spread or r["model"] not in names],
         "runs": [
@@ -534,8 +574,19 @@ def _previous(path: Path, names: Sequence[str], *, spread: bool) -> dict[str, An
             if run.get("what", "plans") != kind or set(run["models"]) - set(names)
         ],
         "failed": [f for f in old.get("failed", []) if spread or f["model"] not in names],
-        "spread": [r for r in old.get("spread", []) if not spread or r["model"] not in names],
+        "spread": [
+            r
+            for r in old.get("spread", [])
+            if r.get("plan", "none") != spread or r["model"] not in names
+        ],
     }
+
+
+def _what(spread: str | None) -> str:
+    """What a run measured: "plans", "spread" (storing everything) or "spread <plan>"."""
+    if spread is None:
+        return "plans"
+    return "spread" if spread == "none" else f"spread {spread}"
 
 
 def _commit() -> str:

@@ -1,5 +1,6 @@
 """`benchmarks/held_out.py --smoke`: one small model, storing everything and sqrt; then
-`--spread 2`: storing everything in two more processes, added to the same report."""
+`--spread 2`: storing everything in two more processes, and the calibrated default plan in
+two more, added to the same report."""
 
 from __future__ import annotations
 
@@ -33,4 +34,14 @@ def test_smoke_run_measures_each_plan_in_its_own_process(tmp_path):
     assert all(r["measured_bytes"] > 0 and r["predicted_bytes"] > 0 for r in report["spread"])
     assert [run.get("what", "plans") for run in report["runs"]] == ["plans", "spread"]
     peaks = sorted(r["measured_bytes"] / 2**20 for r in report["spread"])
-    assert f"| gru_lm | 2 | {peaks[0]:.1f}, {sum(peaks) / 2:.1f}, {peaks[1]:.1f} |" in table
+    assert f"| gru_lm | none | 2 | {peaks[0]:.1f}, {sum(peaks) / 2:.1f}, {peaks[1]:.1f} |" in table
+
+    args = ["--spread", "2", "--spread-plan", "default"]
+    report, table = run_benchmark_smoke("held_out", tmp_path, args=args)
+    plans = [(r["model"], r.get("plan", "none")) for r in report["spread"]]
+    assert sorted(plans) == [("gru_lm", "default")] * 2 + [("gru_lm", "none")] * 2
+    assert all(
+        (r["replayed_bytes"] is None) == (r.get("plan", "none") == "none") for r in report["spread"]
+    )
+    assert [run["what"] for run in report["runs"]] == ["plans", "spread", "spread default"]
+    assert "| gru_lm | default | 2 |" in table and "(spread default plan)" in table
