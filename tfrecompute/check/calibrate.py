@@ -38,7 +38,9 @@ called in a loop has a scope per call). Then:
    the excess is reported, not placed.
 
 `Calibration.summary()` says which of these happened, with their sizes; a
-plan's summary prints it.
+plan's summary prints it. The step's events are kept (`Calibration.record`):
+a plan's step is replayed from them (`Plan.replayed_peak_bytes`, NOTE [
+Replaying a plan through the allocator ] in `tfrecompute/check/replay.py`).
 """
 
 from __future__ import annotations
