@@ -40,7 +40,9 @@ replayed:
 The measured order of ops is one of those TensorFlow's inter-op threads
 can take (the same step's peak moves between processes), and a
 recomputation's ops are taken to be the forward's: a recompute block's own
-buffers are not in the measured step. How close the replay comes is
+buffers are not in the measured step, and a loop recomputed without its
+accumulators is replayed with them (a recurrent layer's replay moves with
+the order of its loop's ops, and stays above its step). How close the replay comes is
 measured per plan in `benchmarks/results/held_out.md` (*replayed*).
 """
 
