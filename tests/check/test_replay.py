@@ -151,3 +151,33 @@ def test_a_gradient_op_run_from_the_steps_start_runs_in_a_recomputed_segments_ba
     assert recomputed > keys.index((True, ("step", 7)))  # after link 2's gradient
     assert keys[recomputed + 3 : recomputed + 5] == [(True, ("step", 0)), (True, ("step", 10))]
     assert keys.count((True, ("step", 0))) == 1  # not at the step's start any more
+
+
+def _live_at_the_end(events: list) -> set:
+    live = set()
+    for allocates, key, _ in events:
+        if allocates:
+            live.add(key)
+        else:
+            live.discard(key)
+    return live
+
+
+def test_a_buffer_freed_between_a_segments_forward_and_its_backward_is_freed_when_recomputed():
+    # Link 1's intermediate is freed right after link 1's output is made (a ReLU's
+    # input its backward does not read): recomputed, it is freed at once, not left live.
+    record = _record()
+    record.insert(4, record.pop(10))  # the free of address 3 right after link 1's output
+    outputs = [2 * MiB] * 3
+    planned = replay._plan_events(record, ((1, 2),), outputs)
+    assert _live_at_the_end(planned) == _live_at_the_end(replay._plan_events(record, (), outputs))
+    again = [(a, k) for a, k, _ in planned].index((True, ("again", 2)))
+    assert planned[again + 1][:2] == (False, ("again", 2))
+
+
+def test_a_segment_with_no_gradient_buffer_after_the_forward_is_replayed_as_stored():
+    record = [b for b in _record() if b.address != 8]  # link 1 makes no gradient buffer
+    outputs = [2 * MiB] * 3
+    assert replay._plan_events(record, ((1, 2),), outputs) == replay._plan_events(
+        record, (), outputs
+    )

@@ -23,11 +23,12 @@ replayed:
    buffer (gradient ops that need no incoming gradient run early, from
    the step's start: a loop's accumulators) its forward buffers are
    allocated again, in order, and freed where the measured step freed
-   them (the ones it freed within the forward right away, its output at
+   them (the ones it freed before that point right away, its output at
    the recomputation's end). The segment's gradient buffers that ran
    early in the measured step are allocated there too: a block's gradient
    ops run in its backward (ELECTRA's default plan was replayed +56%
-   with them held from the step's start).
+   with them held from the step's start). A segment none of whose
+   gradient buffers shows after the forward is replayed as stored.
 3. That sequence runs through a simulation of the BFC allocator (allow
    growth: regions from 2 MiB, doubling) for `STEPS` steps in a row,
    after the model's and its optimizer's variables (`resident`, in
@@ -184,15 +185,16 @@ def _plan_events(
     after: dict[int, list[_Event]] = collections.defaultdict(list)
     before: dict[int, list[_Event]] = collections.defaultdict(list)
     for k, allocations in forward.items():
-        end = allocations[-1]
+        if k not in backward:  # no gradient buffer shows where it would be recomputed: kept
+            continue
+        end, start = allocations[-1], backward[k]
         output = _output(record, allocations, segments[k][1] - 1, output_bytes)
         early = [i for i in allocations if i != output and freed.get(i, len(record)) > end]
         released.update(early)
         after[end] += [(False, ("step", i), 0) for i in early]
-        if k in backward:
-            before[backward[k]] += _recomputation(record, allocations, freed, end, set(early))
-            before[backward[k]] += _run_late(record, ran_early[k], freed, backward[k])
-            moved.update(ran_early[k])
+        before[start] += _recomputation(record, allocations, freed, start, set(early))
+        before[start] += _run_late(record, ran_early[k], freed, start)
+        moved.update(ran_early[k])
     return _merged(record, before, after, released, moved)
 
 
@@ -236,17 +238,17 @@ def _recomputation(
     record: Sequence[Buffer],
     allocations: list[int],
     freed: dict[int, int],
-    end: int,
+    start: int,
     early: set[int],
 ) -> list[_Event]:
-    """A segment's forward buffers allocated again before its backward: those the forward
-    freed within it freed right away, its output at the end, the rest where the measured
-    step freed them."""
+    """A segment's forward buffers allocated again at `start`, before its backward: those
+    the measured step freed before `start` freed right away, its output at the end, the
+    rest where the measured step freed them."""
     events: list[_Event] = []
     kept_to_end = []
     for i in allocations:
         events.append((True, ("again", i), record[i].requested))
-        if freed.get(i, len(record)) <= end:
+        if freed.get(i, len(record)) < start:
             events.append((False, ("again", i), 0))
         elif i not in early:
             kept_to_end.append((False, ("again", i), 0))
