@@ -41,9 +41,7 @@ replayed:
 The measured order of ops is one of those TensorFlow's inter-op threads
 can take (the same step's peak moves between processes), and a
 recomputation's ops are taken to be the forward's: a recompute block's own
-buffers are not in the measured step. A recomputed loop is not replayed
-as it runs: the GRU model's default plan replays 23% to 56% above its
-step, moving with the measured order of the loop's ops. How close the
+buffers are not in the measured step. How close the
 replay comes is measured per plan in `benchmarks/results/held_out.md`
 (*replayed*, and the default plans' spread over processes).
 """
