@@ -14,14 +14,14 @@ MiB = 2**20
 
 
 def _cnn(
-    *, jit_compile: bool = False, optimizer: str = "sgd", dropout: float = 0.0
+    *, jit_compile: bool = False, optimizer: str = "sgd", dropout: float = 0.0, blocks: int = 4
 ) -> tuple[keras.Model, tuple]:
     """Conv, BatchNormalization and ReLU blocks: every activation 2 MiB (the CPU
     allocator's events leave out buffers under 256 KiB)."""
     keras.utils.set_random_seed(0)
     inputs = keras.Input((64, 64, 3))
     h = inputs
-    for _ in range(4):
+    for _ in range(blocks):
         h = keras.layers.Conv2D(16, 3, padding="same", use_bias=False)(h)
         h = keras.layers.BatchNormalization()(h)
         h = keras.layers.ReLU()(h)

@@ -6,6 +6,7 @@ import keras
 import numpy as np
 
 import tfrecompute
+from tests.check.test_calibrate import _cnn
 from tfrecompute.check import replay
 
 MiB = 2**20
@@ -101,17 +102,7 @@ def test_a_plan_replayed_from_a_calibration_follows_its_traced_step():
     # Against the bytes a traced step requests, which do not depend on where the
     # process's allocator left free space (its peak does: NOTE [ Replaying a plan
     # through the allocator ]): the replay only adds the allocator's rounding.
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((64, 64, 3))
-    h = inputs
-    for _ in range(6):
-        h = keras.layers.Conv2D(16, 3, padding="same", use_bias=False)(h)
-        h = keras.layers.BatchNormalization()(h)
-        h = keras.layers.ReLU()(h)
-    model = keras.Model(inputs, keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(h)))
-    model.compile(optimizer="sgd", loss="mse")
-    rng = np.random.default_rng(0)
-    sample = rng.random((32, 64, 64, 3), dtype="float32"), rng.random((32, 10), dtype="float32")
+    model, sample = _cnn(blocks=6)
     stored = tfrecompute.plan(model, "none", sample=sample, calibrate=True)
     # The requested peak moves by a buffer or so with the order ops run in (112 or 120 MiB).
     requested = max(tfrecompute.trace_step(model, *sample).requested_peak_bytes for _ in range(2))

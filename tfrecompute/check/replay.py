@@ -26,9 +26,8 @@ replayed:
    them (the ones it freed before that point right away, its output at
    the recomputation's end). The segment's gradient buffers that ran
    early in the measured step are allocated there too: a block's gradient
-   ops run in its backward (ELECTRA's default plan was replayed +56%
-   with them held from the step's start). A segment none of whose
-   gradient buffers shows after the forward is replayed as stored.
+   ops run in its backward. A segment none of whose gradient buffers
+   shows after the forward is replayed as stored.
 3. That sequence runs through a simulation of the BFC allocator (allow
    growth: regions from 2 MiB, doubling) for `STEPS` steps in a row,
    after the model's and its optimizer's variables (`resident`, in
