@@ -172,3 +172,46 @@ def test_a_segment_with_no_gradient_buffer_after_the_forward_is_replayed_as_stor
     assert replay._plan_events(record, ((1, 2),), outputs) == replay._plan_events(
         record, (), outputs
     )
+
+
+def test_an_optimizers_copy_of_a_recomputed_links_variable_is_made_in_place():
+    # An update copies a variable while a forward op still reads it (storing
+    # everything, the backward holds the read); a recomputed link reads it again in
+    # its backward, before the update, and the update runs in place: no copy, and the
+    # variable's buffer from before the step is not freed.
+    B = replay.Buffer
+    record = _record()
+    record[10:10] = [  # after link 1's input gradient: its weight gradient and update
+        B(True, 20, 3 * MiB, link=1, forward=False),
+        B(True, 21, 3 * MiB, update=True),
+        B(False, 20, 3 * MiB),
+        B(False, 50, 3 * MiB),  # the variable's buffer from before the step
+    ]
+    record += [  # link 0's, the same way
+        B(True, 30, 5 * MiB, link=0, forward=False),
+        B(True, 31, 5 * MiB, update=True),
+        B(False, 30, 5 * MiB),
+        B(False, 51, 5 * MiB),
+    ]
+    outputs = [2 * MiB] * 3
+    copies = {(True, ("step", 11)), (False, ("before", 50))}
+    stored = {(a, k) for a, k, _ in replay._plan_events(record, (), outputs)}
+    assert copies <= stored
+    planned = {(a, k) for a, k, _ in replay._plan_events(record, ((1, 2),), outputs)}
+    assert not copies & planned
+    assert {(True, ("step", 23)), (False, ("before", 51))} <= planned  # link 0 is stored
+
+
+def test_a_variable_update_is_told_by_its_op():
+    def allocation(address: int, op: str) -> tuple:
+        return "MemoryAllocation", {"addr": address, "requested_bytes": 8, "tf_op": op}
+
+    events = [
+        allocation(1, "adam/AssignSubVariableOp_3"),
+        allocation(2, "sgd/AssignVariableOp"),
+        allocation(3, "gradient_tape/dense/MatMul"),
+        allocation(4, "dense/AssignSubVariableOp_grad/x"),
+        ("MemoryDeallocation", {"addr": 1, "requested_bytes": 8}),
+    ]
+    updates = [b.update for b in replay.recorded(events, lambda op: None)]
+    assert updates == [True, True, False, False, False]

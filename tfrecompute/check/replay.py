@@ -27,7 +27,12 @@ replayed:
    the recomputation's end). The segment's gradient buffers that ran
    early in the measured step are allocated there too: a block's gradient
    ops run in its backward. A segment none of whose gradient buffers
-   shows after the forward is replayed as stored.
+   shows after the forward is replayed as stored. An optimizer's update
+   of a variable a forward op still reads copies it (storing everything,
+   the backward holds the forward's read); a recomputed link's backward
+   reads its variables again and the update runs in place, so the copy of
+   a recomputed link's variable (placed by the last gradient buffer of its
+   bytes before it) and the free of the buffer it replaced are left out.
 3. That sequence runs through a simulation of the BFC allocator (allow
    growth: regions from 2 MiB, doubling) for `STEPS` steps in a row,
    after the model's and its optimizer's variables (`resident`, in
@@ -50,6 +55,7 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
+import re
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
@@ -63,6 +69,7 @@ _MIN_CHUNK = 256  # the BFC allocator rounds every request up to a multiple of t
 _SPLIT_ABOVE = 128 << 20  # a chunk is split when the rest is at least this, whatever the request
 _FIRST_REGION = 2 << 20  # the first region under allow_growth; each new one doubles
 _TRACED_FROM = 256 << 10  # the CPU allocator's events and peak leave out smaller buffers
+_UPDATE = re.compile(r"(^|/)Assign(Add|Sub)?VariableOp(_\d+)?$")  # a variable's update
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +83,8 @@ class Buffer:
         link: the chain link of the op that allocated it (None: no link's
             layer made it, or a deallocation).
         forward: whether a forward op (not a `gradient_tape/` one) made it.
+        update: whether an optimizer's variable update made it (an `Assign*VariableOp`
+            copying a variable a forward op still reads).
     """
 
     allocates: bool
@@ -83,6 +92,7 @@ class Buffer:
     requested: int
     link: int | None = None
     forward: bool = True
+    update: bool = False
 
 
 def recorded(
@@ -101,6 +111,7 @@ def recorded(
                 requested=int(stats.get("requested_bytes", 0)),
                 link=link_of_op(op) if allocates else None,
                 forward="gradient_tape" not in op,
+                update=allocates and _UPDATE.search(op) is not None,
             )
         )
     return tuple(buffers)
@@ -192,7 +203,31 @@ def _plan_events(
         before[start] += _recomputation(record, allocations, freed, start, set(early))
         before[start] += _run_late(record, ran_early[k], freed, start)
         moved.update(ran_early[k])
-    return _merged(record, before, after, released, moved)
+    in_place = _in_place_updates(record, set(segment_of))
+    return _merged(record, before, after, released, moved, in_place)
+
+
+def _in_place_updates(record: Sequence[Buffer], recomputed: set[int]) -> set[int]:
+    """The events of the variable updates a plan makes in place (step 2 of the NOTE): each
+    update's copy of a recomputed link's variable (the link of the last gradient buffer of
+    the copy's bytes before it) and the free of the buffer it replaced, the next free of
+    those bytes of a buffer allocated before the step."""
+    gradient_link: dict[int, int] = {}  # bytes -> link of the last gradient buffer of them
+    waiting: dict[int, collections.deque[int]] = collections.defaultdict(collections.deque)
+    live: set[int] = set()
+    dropped: set[int] = set()
+    for i, buffer in enumerate(record):
+        if buffer.allocates:
+            live.add(buffer.address)
+            if buffer.update and gradient_link.get(buffer.requested) in recomputed:
+                waiting[buffer.requested].append(i)
+            elif not buffer.forward and buffer.link is not None:
+                gradient_link[buffer.requested] = buffer.link
+        elif buffer.address in live:
+            live.discard(buffer.address)
+        elif waiting[buffer.requested]:
+            dropped.update((waiting[buffer.requested].popleft(), i))
+    return dropped
 
 
 def _run_late(
@@ -258,23 +293,24 @@ def _merged(
     after: dict[int, list[_Event]],
     released: set[int],
     moved: set[int] = frozenset(),  # type: ignore[assignment]
+    dropped: set[int] = frozenset(),  # type: ignore[assignment]
 ) -> list[_Event]:
     """The measured events with the plan's inserted before and after them; a buffer
     released early is freed as its recomputation where the step freed it; one `moved`
-    is allocated where `before` has it instead."""
+    is allocated where `before` has it instead; events `dropped` do not happen."""
     events: list[_Event] = []
     live: dict[int, int] = {}
     for i, buffer in enumerate(record):
         events += before.get(i, [])
         if buffer.allocates:
             live[buffer.address] = i
-            if i not in moved:
+            if i not in moved and i not in dropped:
                 events.append((True, ("step", i), buffer.requested))
-        else:
+        elif i not in dropped:
             j = live.pop(buffer.address, None)
             if j is None:
                 events.append((False, ("before", buffer.address), buffer.requested))
-            else:
+            elif j not in dropped:
                 events.append((False, ("again" if j in released else "step", j), 0))
         events += after.get(i, [])
     return events
