@@ -27,9 +27,9 @@ With `--spread K` each model instead stores everything in K fresh
 processes, one `measure_step` (the largest of three steps) each: the
 spread of the quantity the table calls *measured* between processes. A
 prediction cannot be held closer to one process's measurement than that.
-`--spread-plan default` measures the default plan so, planned with
-`calibrate=True` in each process, its calibrated and replayed predictions
-beside it.
+`--spread-plan default` (`sqrt`, `optimal`) measures that plan so, planned
+with `calibrate=True` in each process, its calibrated and replayed
+predictions beside it.
 
 Writes `held_out.json` and `held_out.md` to benchmarks/results/.
 
@@ -50,6 +50,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -261,16 +262,8 @@ def measure(name: str, plan_name: str, memory: str, smoke: bool) -> dict[str, An
 
     model, x, y, optimizer = _compiled(name, smoke)
     start = time.process_time()
-    calibrate = memory == "calibrated"
-    chain = tfrecompute.plan(model, "none", sample=(x, y), calibrate=calibrate).chain
+    plan, chain, budget = _planned(model, x, y, plan_name, memory == "calibrated")
     stored = strategies.none(chain).peak_bytes
-    budget = None
-    if plan_name == "optimal":
-        halfway = (strategies.min_peak(chain) + stored) // 2
-        headroom = strategies.CALIBRATED_HEADROOM if calibrate else strategies.DEFAULT_HEADROOM
-        budget = math.ceil(halfway / (1 - headroom))  # plannable with the default headroom
-    strategy = {"none": "none", "default": None, "sqrt": "sqrt", "optimal": "optimal"}[plan_name]
-    plan = tfrecompute.plan(model, strategy, budget=budget, sample=(x, y), calibrate=calibrate)
     tfrecompute.recompute(model, plan)
     planning = time.process_time() - start
     replayed = plan.replayed_peak_bytes
@@ -297,16 +290,34 @@ def measure(name: str, plan_name: str, memory: str, smoke: bool) -> dict[str, An
     }
 
 
+def _planned(model: Any, x: Any, y: Any, plan_name: str, calibrate: bool) -> tuple[Any, ...]:
+    """Plan `plan_name` of `model`, its chain and its budget (the optimal plan's: halfway
+    between the least peak and storing everything, plannable with the default headroom;
+    None for the others)."""
+    import tfrecompute
+    from tfrecompute import strategies
+
+    chain = tfrecompute.plan(model, "none", sample=(x, y), calibrate=calibrate).chain
+    budget = None
+    if plan_name == "optimal":
+        halfway = (strategies.min_peak(chain) + strategies.none(chain).peak_bytes) // 2
+        headroom = strategies.CALIBRATED_HEADROOM if calibrate else strategies.DEFAULT_HEADROOM
+        budget = math.ceil(halfway / (1 - headroom))
+        while math.floor(budget * (1 - Fraction(headroom))) < halfway:  # as `plan_within`
+            budget += 1
+    strategy = {"none": "none", "default": None, "sqrt": "sqrt", "optimal": "optimal"}[plan_name]
+    plan = tfrecompute.plan(model, strategy, budget=budget, sample=(x, y), calibrate=calibrate)
+    return plan, chain, budget
+
+
 def measure_spread(name: str, plan_name: str, smoke: bool) -> dict[str, Any]:
     """One model under one plan in a worker process (`--spread`): storing everything with
-    its traced prediction, or the default plan with its calibrated prediction and its
-    replayed peak; and one measured step."""
+    its traced prediction, or another plan planned with `calibrate=True`, with its
+    calibrated prediction and its replayed peak; and one measured step."""
     import tfrecompute
 
     model, x, y, _ = _compiled(name, smoke)
-    calibrate = plan_name == "default"
-    strategy = None if calibrate else "none"
-    plan = tfrecompute.plan(model, strategy, sample=(x, y), calibrate=calibrate)
+    plan, _, budget = _planned(model, x, y, plan_name, plan_name != "none")
     tfrecompute.recompute(model, plan)
     step = tfrecompute.measure_step(model, x, y)
     return {
@@ -316,6 +327,7 @@ def measure_spread(name: str, plan_name: str, smoke: bool) -> dict[str, Any]:
         "predicted_bytes": plan.peak_bytes,
         "replayed_bytes": plan.replayed_peak_bytes,
         "measured_bytes": step.peak_bytes,
+        "budget_bytes": budget,
     }
 
 
@@ -323,42 +335,73 @@ def _spread_lines(spread: Sequence[dict[str, Any]]) -> list[str]:
     """The spread section: per model and plan, measured in several processes."""
     if not spread:
         return []
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in spread:
+        groups.setdefault((row["model"], row.get("plan", "none")), []).append(row)
     lines = [
         "",
         "## The measured peak's own spread",
         "",
         "Each model in several fresh processes (`--spread`), one `measure_step` each (the "
         "largest of three steps, as *measured* above): storing everything with its traced "
-        "prediction, and the default plan planned with `calibrate=True` in each process (its "
-        "plan can differ between processes) with its calibrated prediction and its replayed "
-        "peak. Spread = largest / smallest - 1; errors are of the predictions' median "
-        "against the measured median.",
+        "prediction, and the other plans planned with `calibrate=True` in each process (a "
+        "plan can differ between processes) with their calibrated prediction and replayed "
+        "peak (the optimal plan under its budget as above). Spread = largest / smallest - 1; "
+        "errors are of the predictions' median against the measured median.",
         "",
+        *_spread_summary(groups),
         "| model | plan | processes | measured MiB (least, median, most) | spread "
-        "| predicted MiB | error vs median | replayed MiB | error vs median |",
-        "|---|---|---:|---|---:|---:|---:|---:|---:|",
+        "| predicted MiB | error vs median | replayed MiB | error vs median "
+        "| median / budget |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for row in spread:
-        groups.setdefault((row["model"], row.get("plan", "none")), []).append(row)
     for model, plan in sorted(groups, key=_spread_order):
         rows = groups[(model, plan)]
         peaks = sorted(r["measured_bytes"] for r in rows)
         median = statistics.median(peaks)
-        predicted = statistics.median(r["predicted_bytes"] for r in rows)
-        replays = [r["replayed_bytes"] for r in rows if r.get("replayed_bytes") is not None]
-        replayed = statistics.median(replays) if replays else None
+        predicted, replayed = _medians(rows)
         replay = (
             "- | -"
             if replayed is None
             else f"{replayed / MiB:.1f} | {replayed / max(median, 1) - 1:+.0%}"
         )
+        budget = rows[0].get("budget_bytes")
+        used = f"{median / budget:.0%}" if budget else "-"
         lines.append(
             f"| {model} | {plan} | {len(peaks)} | {peaks[0] / MiB:.1f}, {median / MiB:.1f}, "
             f"{peaks[-1] / MiB:.1f} | {peaks[-1] / max(peaks[0], 1) - 1:.0%} | "
-            f"{predicted / MiB:.1f} | {predicted / max(median, 1) - 1:+.0%} | {replay} |"
+            f"{predicted / MiB:.1f} | {predicted / max(median, 1) - 1:+.0%} | {replay} | "
+            f"{used} |"
         )
     return lines
+
+
+def _medians(rows: Sequence[dict[str, Any]]) -> tuple[float, float | None]:
+    """The median predicted and replayed peaks of a model's plan over its processes."""
+    predicted = statistics.median(r["predicted_bytes"] for r in rows)
+    replays = [r["replayed_bytes"] for r in rows if r.get("replayed_bytes") is not None]
+    return predicted, statistics.median(replays) if replays else None
+
+
+def _spread_summary(groups: dict[tuple[str, str], list[dict[str, Any]]]) -> list[str]:
+    """How close the calibrated plans' median predictions come to their measured median."""
+    errors: dict[str, list[float]] = {"calibrated": [], "replayed": []}
+    for (_, plan), rows in groups.items():
+        if plan == "none":
+            continue
+        median = statistics.median(r["measured_bytes"] for r in rows)
+        predicted, replayed = _medians(rows)
+        errors["calibrated"].append(predicted / max(median, 1) - 1)
+        if replayed is not None:
+            errors["replayed"].append(replayed / max(median, 1) - 1)
+    lines = [
+        f"- {kind} (median over processes, against the measured median): within 10% "
+        f"{sum(abs(e) <= 0.1 for e in found)} of {len(found)} plans; within 25% "
+        f"{sum(abs(e) <= 0.25 for e in found)}; the largest error {max(map(abs, found)):.0%}."
+        for kind, found in errors.items()
+        if found
+    ]
+    return [*lines, ""] if lines else []
 
 
 def _spread_order(key: tuple[str, str]) -> tuple[int, int]:
@@ -486,9 +529,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument(
         "--spread-plan",
-        choices=("none", "default"),
+        choices=PLANS,
         default="none",
-        help="with --spread: the plan measured (default: storing everything)",
+        help="with --spread: the plan measured (default: storing everything, traced; the "
+        "others calibrated)",
     )
     parser.add_argument(
         "--spread-worker", nargs=2, metavar=("MODEL", "PLAN"), help=argparse.SUPPRESS

@@ -36,12 +36,17 @@ def test_smoke_run_measures_each_plan_in_its_own_process(tmp_path):
     peaks = sorted(r["measured_bytes"] / 2**20 for r in report["spread"])
     assert f"| gru_lm | none | 2 | {peaks[0]:.1f}, {sum(peaks) / 2:.1f}, {peaks[1]:.1f} |" in table
 
-    args = ["--spread", "2", "--spread-plan", "default"]
+    args = ["--spread", "2", "--spread-plan", "optimal"]
     report, table = run_benchmark_smoke("held_out", tmp_path, args=args)
     plans = [(r["model"], r.get("plan", "none")) for r in report["spread"]]
-    assert sorted(plans) == [("gru_lm", "default")] * 2 + [("gru_lm", "none")] * 2
+    assert sorted(plans) == [("gru_lm", "none")] * 2 + [("gru_lm", "optimal")] * 2
     assert all(
         (r["replayed_bytes"] is None) == (r.get("plan", "none") == "none") for r in report["spread"]
     )
-    assert [run["what"] for run in report["runs"]] == ["plans", "spread", "spread default"]
-    assert "| gru_lm | default | 2 |" in table and "(spread default plan)" in table
+    assert [run["what"] for run in report["runs"]] == ["plans", "spread", "spread optimal"]
+    assert "| gru_lm | optimal | 2 |" in table and "(spread optimal plan)" in table
+    optimal = [r for r in report["spread"] if r["plan"] == "optimal"]
+    assert all(r["budget_bytes"] > r["replayed_bytes"] for r in optimal)
+    median = sum(r["measured_bytes"] for r in optimal) / 2
+    assert f"| {median / optimal[0]['budget_bytes']:.0%} |" in table
+    assert "- replayed (median over processes, against the measured median): within 10%" in table
