@@ -267,6 +267,8 @@ def measure(name: str, plan_name: str, memory: str, smoke: bool) -> dict[str, An
     tfrecompute.recompute(model, plan)
     planning = time.process_time() - start
     replayed = plan.replayed_peak_bytes
+    frontier = strategies.frontier(plan.chain) if budget else []  # the plans it chose among
+    above = [p.peak_bytes for p in frontier if p.peak_bytes > plan.peak_bytes]
     step = tfrecompute.measure_step(model, x, y)
     traced = [tfrecompute.trace_step(model, x, y, warmup=1) for _ in range(TRACES)]
     requested = max(t.requested_peak_bytes for t in traced)
@@ -286,6 +288,7 @@ def measure(name: str, plan_name: str, memory: str, smoke: bool) -> dict[str, An
         "replayed_bytes": replayed,
         "replayed_error": None if replayed is None else replayed / max(step.peak_bytes, 1) - 1,
         "budget_bytes": budget,
+        "next_predicted_bytes": min(above, default=None),
         "planning_cpu_seconds": planning,
     }
 
@@ -455,7 +458,7 @@ def _markdown(
     ]
     for r in rows:
         lines.append(_row(r))
-    lines += ["", *_above_storing_everything(rows), *_spread_lines(spread)]
+    lines += ["", *_above_storing_everything(rows), *_budget_lines(rows), *_spread_lines(spread)]
     if failed:
         lines += [
             "",
@@ -485,6 +488,35 @@ def _row(r: dict[str, Any]) -> str:
         f"{r['requested_bytes'] / MiB:.1f} | {r['requested_error']:+.0%} | {replay} | {budget} | "
         f"{r['planning_cpu_seconds']:.1f} |"
     )
+
+
+def _budget_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """How much of its budget each optimal plan used, and for those under 85%, where the
+    next plan of the chain's frontier (the cheapest with a higher predicted peak) stood."""
+    lines = ["", "## Budgets", ""]
+    for memory in MEMORY:
+        budgeted = [r for r in rows if r["budget_bytes"] and r.get("memory", "traced") == memory]
+        if not budgeted:
+            continue
+        used = sorted(r["measured_bytes"] / r["budget_bytes"] for r in budgeted)
+        lines.append(
+            f"- {memory}: the optimal plans measured {used[0]:.0%} to {used[-1]:.0%} of their "
+            f"budget; {sum(u > 1.05 for u in used)} over it by more than 5%, "
+            f"{sum(u < 0.85 for u in used)} under 85% of it."
+        )
+        for r in budgeted:
+            if r["measured_bytes"] < 0.85 * r["budget_bytes"] and "next_predicted_bytes" in r:
+                following = r["next_predicted_bytes"]
+                where = (
+                    "no plan with a higher predicted peak"
+                    if following is None
+                    else f"the next plan up predicted at {following / r['budget_bytes']:.0%}"
+                )
+                lines.append(
+                    f"  - {r['model']}: {r['measured_bytes'] / r['budget_bytes']:.0%} of the "
+                    f"budget, predicted {r['predicted_bytes'] / r['budget_bytes']:.0%}; {where}"
+                )
+    return lines if len(lines) > 3 else []
 
 
 def _above_storing_everything(rows: list[dict[str, Any]]) -> list[str]:

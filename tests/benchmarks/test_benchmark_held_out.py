@@ -1,10 +1,13 @@
 """`benchmarks/held_out.py --smoke`: one small model, storing everything and sqrt; then
-`--spread 2`: storing everything in two more processes, and the calibrated default plan in
-two more, added to the same report."""
+`--spread 2`: storing everything in two more processes, and the calibrated optimal plan in
+two more, added to the same report. And the budget section from rows made here."""
 
 from __future__ import annotations
 
+from benchmarks import held_out
 from tests.helpers import run_benchmark_smoke
+
+MiB = 2**20
 
 
 def test_smoke_run_measures_each_plan_in_its_own_process(tmp_path):
@@ -50,3 +53,27 @@ def test_smoke_run_measures_each_plan_in_its_own_process(tmp_path):
     median = sum(r["measured_bytes"] for r in optimal) / 2
     assert f"| {median / optimal[0]['budget_bytes']:.0%} |" in table
     assert "- replayed (median over processes, against the measured median): within 10%" in table
+
+
+def test_the_budget_section_says_where_the_next_plan_up_stood():
+    def row(model: str, measured: int, next_up: int | None) -> dict:
+        return {
+            "model": model,
+            "memory": "calibrated",
+            "budget_bytes": 100 * MiB,
+            "predicted_bytes": 70 * MiB,
+            "measured_bytes": measured * MiB,
+            "next_predicted_bytes": None if next_up is None else next_up * MiB,
+        }
+
+    rows = [row("a", 72, 104), row("b", 90, 95), row("c", 60, None), row("d", 107, 120)]
+    lines = held_out._budget_lines(rows)
+    assert lines[3] == (
+        "- calibrated: the optimal plans measured 60% to 107% of their budget; 1 over it by "
+        "more than 5%, 2 under 85% of it."
+    )
+    assert lines[4:] == [
+        "  - a: 72% of the budget, predicted 70%; the next plan up predicted at 104%",
+        "  - c: 60% of the budget, predicted 70%; no plan with a higher predicted peak",
+    ]
+    assert held_out._budget_lines([dict(r, budget_bytes=None) for r in rows]) == []
