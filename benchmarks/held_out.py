@@ -376,7 +376,35 @@ def _spread_lines(spread: Sequence[dict[str, Any]]) -> list[str]:
             f"{predicted / MiB:.1f} | {predicted / max(median, 1) - 1:+.0%} | {replay} | "
             f"{used} |"
         )
-    return lines
+    return lines + _default_against_sqrt(groups)
+
+
+def _default_against_sqrt(groups: dict[tuple[str, str], list[dict[str, Any]]]) -> list[str]:
+    """Per model measured in several processes under both, the default plan's median peak
+    against `sqrt`'s, beside the larger of the two plans' spreads."""
+    lines = []
+    for model in MODELS:
+        if (model, "default") not in groups or (model, "sqrt") not in groups:
+            continue
+        peaks = {
+            plan: sorted(r["measured_bytes"] for r in groups[(model, plan)])
+            for plan in ("default", "sqrt")
+        }
+        above = statistics.median(peaks["default"]) / statistics.median(peaks["sqrt"]) - 1
+        spread = max(p[-1] / max(p[0], 1) - 1 for p in peaks.values())
+        lines.append(
+            f"| {model} | {above:+.0%} | {spread:.0%} | {'yes' if above > spread else 'no'} |"
+        )
+    if not lines:
+        return []
+    return [
+        "",
+        "The default plan's median against `sqrt`'s, beside the larger of their spreads:",
+        "",
+        "| model | default / sqrt - 1 | spread | above by more than the spread |",
+        "|---|---:|---:|---|",
+        *lines,
+    ]
 
 
 def _medians(rows: Sequence[dict[str, Any]]) -> tuple[float, float | None]:

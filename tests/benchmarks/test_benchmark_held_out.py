@@ -77,3 +77,15 @@ def test_the_budget_section_says_where_the_next_plan_up_stood():
         "  - c: 60% of the budget, predicted 70%; no plan with a higher predicted peak",
     ]
     assert held_out._budget_lines([dict(r, budget_bytes=None) for r in rows]) == []
+
+
+def test_the_default_plan_is_compared_with_sqrt_beside_the_measured_spread():
+    def rows(plan: str, *peaks: int) -> list[dict]:
+        return [{"model": "unet", "plan": plan, "measured_bytes": p * MiB} for p in peaks]
+
+    groups = {("unet", "default"): rows("default", 30, 33, 36)}
+    assert held_out._default_against_sqrt(groups) == []  # no sqrt measured
+    groups[("unet", "sqrt")] = rows("sqrt", 20, 22, 22)  # medians 33 and 22: +50%
+    assert held_out._default_against_sqrt(groups)[-1] == "| unet | +50% | 20% | yes |"
+    groups[("unet", "sqrt")] = rows("sqrt", 30, 31, 32)  # +6%, within the default's 20%
+    assert held_out._default_against_sqrt(groups)[-1] == "| unet | +6% | 20% | no |"
