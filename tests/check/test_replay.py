@@ -7,6 +7,7 @@ import numpy as np
 
 import tfrecompute
 from tests.check.test_calibrate import _cnn
+from tfrecompute import strategies
 from tfrecompute.check import replay
 
 MiB = 2**20
@@ -112,6 +113,11 @@ def test_a_plan_replayed_from_a_calibration_follows_its_traced_step():
     assert tfrecompute.plan(model, "sqrt", sample=sample).replayed_peak_bytes is None
     assert "this plan's step replayed through the allocator: " in plan.summary()
     assert replayed < 0.75 * stored.replayed_peak_bytes
+    # The default plan is the one of the least replayed peak, at most the chain's least
+    # peak's and sqrt's (NOTE [ The least peak of a calibrated chain ]).
+    default = tfrecompute.plan(model, sample=sample, calibrate=True)
+    least = strategies.optimal(default.chain)
+    assert default.replayed_peak_bytes <= min(least.replayed_peak_bytes, replayed)
     tfrecompute.recompute(model, plan)
     requested = max(tfrecompute.trace_step(model, *sample).requested_peak_bytes for _ in range(2))
     assert requested * 0.8 <= replayed <= requested * 1.5  # 64 or 72 MiB requested

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from fractions import Fraction
 
@@ -259,3 +260,46 @@ def test_costs_too_fine_for_64_bits_are_rounded_within_a_tiny_error(
     assert exact_cost(chain, rounded.segments) <= exact_cost(chain, exact.segments) * (
         1 + Fraction(1, 10**8)
     )
+
+
+class _Replays:
+    """A calibration's stand-in: replays a plan at its predicted peak, the plans of
+    `segments` at `replayed`; None for a plan with a segment in `unreplayable`."""
+
+    def __init__(self, replayed: dict, unreplayable: tuple = ()) -> None:
+        self.replayed, self.unreplayable = replayed, unreplayable
+
+    def replayed_peak_bytes(self, plan):
+        if set(plan.segments) & set(self.unreplayable):
+            return None
+        return self.replayed.get(plan.segments, plan.peak_bytes)
+
+
+def test_a_calibrated_chains_least_peak_is_the_plan_of_the_least_replayed_peak():
+    from tfrecompute.strategies import frontier, plan_within, sqrt
+    from tfrecompute.strategies.optimize import REPLAYED_WITHIN
+
+    chain = Chain.homogeneous(16, activation_bytes=100)
+    least, root = optimal(chain), sqrt(chain)
+    assert root.segments != least.segments and root.peak_bytes > least.peak_bytes
+
+    def calibrated(*args) -> Chain:
+        return dataclasses.replace(chain, calibration=_Replays(*args))
+
+    # The chain's least peak replays above sqrt: sqrt.
+    below = calibrated({root.segments: least.peak_bytes - 1})
+    made = plan_within("plan", optimal, below, None, None)
+    assert made.segments == root.segments
+    # Replayed at their predicted peaks, the least stays.
+    assert plan_within("plan", optimal, calibrated({}), None, None).segments == least.segments
+    # A frontier plan predicted above REPLAYED_WITHIN times the least is not replayed.
+    far = [p for p in frontier(chain) if p.peak_bytes > least.peak_bytes * REPLAYED_WITHIN]
+    far = [p for p in far if p.segments != root.segments]
+    assert far
+    replayed = {p.segments: 0 for p in far}
+    assert plan_within("plan", optimal, calibrated(replayed), None, None).segments == least.segments
+    # Not calibrated, a plan that cannot be replayed, another strategy: as before.
+    assert plan_within("plan", optimal, chain, None, None).segments == least.segments
+    unreplayable = calibrated({}, least.segments)
+    assert plan_within("plan", optimal, unreplayable, None, None).segments == least.segments
+    assert plan_within("plan", sqrt, calibrated({least.segments: 0}), None, None) == root

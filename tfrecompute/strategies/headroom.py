@@ -11,6 +11,7 @@ from typing import Any
 from tfrecompute._messages import fail, received
 from tfrecompute.errors import InfeasibleBudgetError
 from tfrecompute.strategies.chain import Chain
+from tfrecompute.strategies.optimize import least_replayed, optimal
 from tfrecompute.strategies.plan import Plan, chain_budget
 from tfrecompute.strategies.units import budget_share, format_budget, format_size
 
@@ -73,7 +74,9 @@ def plan_within(
     """Plans `chain` with `strategy` under a model's budget, leaving `headroom` of it.
 
     The strategy gets `floor(budget * (1 - headroom))` bytes (NOTE [ Budget
-    headroom ]). Without a budget it gets none, and `headroom` must be None.
+    headroom ]). Without a budget it gets none, and `headroom` must be None; `optimal`'s
+    plan of a calibrated chain is then the one of the least replayed peak (NOTE [ The
+    least peak of a calibrated chain ] in `optimize`).
 
     Args:
         api: the public function, for error messages.
@@ -110,7 +113,8 @@ def plan_within(
                 headroom,
                 "Pass a budget too, or leave headroom=None",
             )
-        return strategy(chain, budget=None)
+        made = strategy(chain, budget=None)
+        return least_replayed(chain, made) if strategy is optimal else made
     total = chain_budget(api, chain, budget)
     share = headroom_of(api, budget, headroom, chain)
     planned = math.floor(total * (1 - share))

@@ -31,11 +31,19 @@ import numbers
 
 from tfrecompute._messages import fail
 from tfrecompute.strategies import _selective, _solver
+from tfrecompute.strategies.basic import sqrt
 from tfrecompute.strategies.chain import Chain
 from tfrecompute.strategies.plan import Budget, Plan, chain_budget, infeasible
 from tfrecompute.strategies.simulate import check_chain, estimate
 
-__all__ = ["DEFAULT_MAX_WORK", "frontier", "min_peak", "optimal"]
+__all__ = [
+    "DEFAULT_MAX_WORK",
+    "REPLAYED_WITHIN",
+    "frontier",
+    "least_replayed",
+    "min_peak",
+    "optimal",
+]
 
 _logger = logging.getLogger(__name__)
 
@@ -158,6 +166,55 @@ def frontier(chain: Chain, *, max_work: int | None = DEFAULT_MAX_WORK) -> list[P
         )
         for segments, peak in found
     ]
+
+
+REPLAYED_WITHIN = 1.1
+"""`least_replayed` replays the frontier's plans predicted within this factor of the least
+peak, at most `REPLAYED_AT_MOST` of them (those of the lowest predicted peaks)."""
+
+REPLAYED_AT_MOST = 64
+
+
+def least_replayed(chain: Chain, least: Plan) -> Plan:
+    """NOTE [ The least peak of a calibrated chain ]
+
+    A calibrated chain's plans can be replayed from its measured step
+    through a simulation of TensorFlow's allocator (`Plan.replayed_peak_bytes`,
+    NOTE [ Replaying a plan through the allocator ] in
+    `tfrecompute/check/replay.py`), which follows what the chain's byte
+    counts do not: where the allocator finds room for the buffers a plan
+    frees and allocates again, and the copies the optimizer makes. The
+    plan the chain predicts at the least peak can replay above plans it
+    predicts a little higher, and above `sqrt`. Without a budget
+    (`plan_within`, so `plan`, `recompute` and the command line with the
+    default strategy or `optimal`), a calibrated chain's plan is therefore,
+    of the frontier's plans predicted within `REPLAYED_WITHIN` of the least
+    peak (the `REPLAYED_AT_MOST` lowest), `least` itself and the `sqrt`
+    plan, the one whose replayed peak is least (ties: the least recompute
+    cost, then the first found). The bound keeps the choice near what the
+    chain predicts: a replay follows one measured order of the step's ops,
+    and the least of many replays is the most likely to be low by chance. A
+    chain that cannot be replayed (not calibrated; policy states, whose
+    plans are not replayed) keeps `least`.
+
+    Args:
+        chain: the chain `least` was planned on.
+        least: `optimal(chain)`, the plan of the least predicted peak.
+
+    Returns:
+        The plan of the least replayed peak, or `least`.
+    """
+    if least.replayed_peak_bytes is None:
+        return least
+    bound = least.peak_bytes * REPLAYED_WITHIN
+    near = [p for p in frontier(chain) if p.peak_bytes <= bound][:REPLAYED_AT_MOST]
+    candidates = [least, *near, sqrt(chain)]
+    scored = [
+        (replayed, plan.recompute_cost, k)
+        for k, plan in enumerate(candidates)
+        if (replayed := plan.replayed_peak_bytes) is not None
+    ]
+    return candidates[min(scored)[2]]
 
 
 def _three_state(chain: Chain, limit: int, *, least: bool) -> Plan:
