@@ -77,6 +77,11 @@ def test_the_budget_section_says_where_the_next_plan_up_stood():
         "  - c: 60% of the budget, predicted 70%; no plan with a higher predicted peak",
     ]
     assert held_out._budget_lines([dict(r, budget_bytes=None) for r in rows]) == []
+    traced = [dict(row("e", 60, 104), memory="traced")]  # planned in 70%: no detail
+    assert held_out._budget_lines(traced)[3:] == [
+        "- traced: the optimal plans measured 60% to 60% of their budget; 0 over it by more "
+        "than 5%, 1 under 85% of it."
+    ]
 
 
 def test_the_default_plan_is_compared_with_sqrt_beside_the_measured_spread():
