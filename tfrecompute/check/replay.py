@@ -8,7 +8,7 @@ and splits the chunk only if it is at least twice the request (or the rest
 is at least 128 MiB). A step storing everything allocates its forward
 buffers into fresh space and the rounding is small; a plan's step frees a
 segment's buffers at its end and allocates again into that space, and its
-buffers hold 9% to 28% more than they request at the peak of the held-out
+buffers hold 7% to 29% more than they request at the peak of the held-out
 default plans of BatchNorm CNNs (`benchmarks/results/held_out.md`). No
 byte count of a link follows that, so a calibrated chain's plan is also
 replayed:
