@@ -38,6 +38,7 @@ from tfrecompute.strategies.simulate import check_chain, estimate
 
 __all__ = [
     "DEFAULT_MAX_WORK",
+    "REPLAYED_AT_MOST",
     "REPLAYED_WITHIN",
     "frontier",
     "least_replayed",
@@ -173,6 +174,7 @@ REPLAYED_WITHIN = 1.1
 peak, at most `REPLAYED_AT_MOST` of them (those of the lowest predicted peaks)."""
 
 REPLAYED_AT_MOST = 64
+"""The most frontier plans `least_replayed` replays."""
 
 
 def least_replayed(chain: Chain, least: Plan) -> Plan:
