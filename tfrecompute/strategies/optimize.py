@@ -206,14 +206,15 @@ def least_replayed(chain: Chain, least: Plan) -> Plan:
     Returns:
         The plan of the least replayed peak, or `least`.
     """
-    if least.replayed_peak_bytes is None:
+    own = least.replayed_peak_bytes
+    if own is None:
         return least
     bound = least.peak_bytes * REPLAYED_WITHIN
     near = [p for p in frontier(chain) if p.peak_bytes <= bound][:REPLAYED_AT_MOST]
     candidates = [least, *near, sqrt(chain)]
-    scored = [
+    scored = [(own, least.recompute_cost, 0)] + [
         (replayed, plan.recompute_cost, k)
-        for k, plan in enumerate(candidates)
+        for k, plan in enumerate(candidates[1:], start=1)
         if (replayed := plan.replayed_peak_bytes) is not None
     ]
     return candidates[min(scored)[2]]
