@@ -305,9 +305,8 @@ def _planned(model: Any, x: Any, y: Any, plan_name: str, calibrate: bool) -> tup
     if plan_name == "optimal":
         halfway = (strategies.min_peak(chain) + strategies.none(chain).peak_bytes) // 2
         headroom = strategies.CALIBRATED_HEADROOM if calibrate else strategies.DEFAULT_HEADROOM
-        budget = math.ceil(halfway / (1 - headroom))
-        while math.floor(budget * (1 - Fraction(headroom))) < halfway:  # as `plan_within`
-            budget += 1
+        # Exact: `plan_within` plans floor(budget * (1 - Fraction(headroom))) >= halfway.
+        budget = math.ceil(halfway / (1 - Fraction(headroom)))
     strategy = {"none": "none", "default": None, "sqrt": "sqrt", "optimal": "optimal"}[plan_name]
     plan = tfrecompute.plan(model, strategy, budget=budget, sample=(x, y), calibrate=calibrate)
     return plan, chain, budget

@@ -203,29 +203,28 @@ def _plan_events(
         before[start] += _recomputation(record, allocations, freed, start, set(early))
         before[start] += _run_late(record, ran_early[k], freed, start)
         moved.update(ran_early[k])
-    in_place = _in_place_updates(record, set(segment_of))
+    in_place = _in_place_updates(record, set(segment_of), freed)
     return _merged(record, before, after, released, moved, in_place)
 
 
-def _in_place_updates(record: Sequence[Buffer], recomputed: set[int]) -> set[int]:
+def _in_place_updates(
+    record: Sequence[Buffer], recomputed: set[int], freed: dict[int, int]
+) -> set[int]:
     """The events of the variable updates a plan makes in place (step 2 of the NOTE): each
     update's copy of a recomputed link's variable (the link of the last gradient buffer of
     the copy's bytes before it) and the free of the buffer it replaced, the next free of
-    those bytes of a buffer allocated before the step."""
+    those bytes of a buffer allocated before the step (one no allocation of `freed`'s)."""
+    in_step = set(freed.values())  # frees of buffers the step allocated
     gradient_link: dict[int, int] = {}  # bytes -> link of the last gradient buffer of them
     waiting: dict[int, collections.deque[int]] = collections.defaultdict(collections.deque)
-    live: set[int] = set()
     dropped: set[int] = set()
     for i, buffer in enumerate(record):
         if buffer.allocates:
-            live.add(buffer.address)
             if buffer.update and gradient_link.get(buffer.requested) in recomputed:
                 waiting[buffer.requested].append(i)
             elif not buffer.forward and buffer.link is not None:
                 gradient_link[buffer.requested] = buffer.link
-        elif buffer.address in live:
-            live.discard(buffer.address)
-        elif waiting[buffer.requested]:
+        elif i not in in_step and waiting[buffer.requested]:
             dropped.update((waiting[buffer.requested].popleft(), i))
     return dropped
 
