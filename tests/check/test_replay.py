@@ -9,6 +9,7 @@ import tfrecompute
 from tests.check.test_calibrate import _cnn
 from tfrecompute import strategies
 from tfrecompute.check import replay
+from tfrecompute.check.measure import traced_events
 
 MiB = 2**20
 
@@ -221,3 +222,28 @@ def test_a_variable_update_is_told_by_its_op():
     ]
     updates = [b.update for b in replay.recorded(events, lambda op: None)]
     assert updates == [True, True, False, False, False]
+
+
+def test_a_recomputed_layers_variables_are_updated_in_place():
+    # What the replay's in-place rule rests on: storing everything, SGD copies a kernel
+    # the backward still reads (an update allocation); recomputed, no update allocates.
+    def updates(strategy: str) -> int:
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((512,))
+        h = inputs
+        for _ in range(12):
+            h = keras.layers.Dense(512, activation="relu")(h)  # 1 MiB kernels
+        model = keras.Model(inputs, keras.layers.Dense(10)(h))
+        model.compile(optimizer="sgd", loss="mse")
+        if strategy != "none":
+            tfrecompute.recompute(model, strategy, sample=sample)
+        found = 0
+        for _ in range(2):  # how many copies a step makes depends on its op order
+            _, events, _ = traced_events("test", model, *sample, warmup=1)
+            found += sum(b.update for b in replay.recorded(events, lambda op: None))
+        return found
+
+    rng = np.random.default_rng(0)
+    sample = rng.random((2048, 512), dtype="float32"), rng.random((2048, 10), dtype="float32")
+    assert updates("none") >= 1
+    assert updates("sqrt") == 0
