@@ -195,7 +195,8 @@ def least_replayed(chain: Chain, least: Plan) -> Plan:
     plan, the one whose replayed peak is least (ties: the least recompute
     cost, then the first found). The bound keeps the choice near what the
     chain predicts: a replay follows one measured order of the step's ops,
-    and the least of many replays is the most likely to be low by chance. A
+    and the more replays the choice takes the least of, the more it favours
+    a replay that came out low. A
     chain that cannot be replayed (not calibrated; policy states, whose
     plans are not replayed) keeps `least`.
 
