@@ -16,7 +16,9 @@ import sys
 
 import tfrecompute
 
-# Before keras imports TensorFlow: hide its start-up logs unless --verbose.
+# Before keras starts TensorFlow: let its CPU allocator count bytes (measuring reads
+# them), and hide its start-up logs unless --verbose.
+tfrecompute.count_cpu_memory()
 tfrecompute.quiet_tensorflow(verbose="--verbose" in sys.argv)
 
 import keras  # noqa: E402

@@ -1,7 +1,7 @@
 """tfrecompute: gradient checkpointing for Keras 3 on TensorFlow.
 
 `import tfrecompute` is quick and pure Python: it imports the planner,
-`tfrecompute.strategies`, the exception types and `quiet_tensorflow`. The
+`tfrecompute.strategies`, the exception types, `quiet_tensorflow` and `count_cpu_memory`. The
 TensorFlow parts (`RecomputeBlock`, `profile`, `plan`, `recompute`,
 `measure_step`, ...) are imported the first time one of them is used, all
 together, which also registers `RecomputeBlock` for Keras serialization. When
@@ -13,7 +13,7 @@ installed they are absent from `__all__`, and using one raises the
 `ImportError` of TensorFlow.
 
 The folders follow the data path, each importing only from those before
-it: `errors`, `_messages` and `startup` (`quiet_tensorflow`) at the base;
+it: `errors`, `_messages` and `startup` (`quiet_tensorflow`, `count_cpu_memory`) at the base;
 `strategies/` (the planner, pure Python); `_keras_internals` (every private
 Keras/TensorFlow symbol); `layers/` (`RecomputeBlock`, `checkpoint`,
 in-place and attention-core checkpoints); then a model's path: `graph/`
@@ -38,7 +38,7 @@ from tfrecompute.errors import (
     TfrecomputeError,
     UntraceableModelError,
 )
-from tfrecompute.startup import quiet_tensorflow
+from tfrecompute.startup import count_cpu_memory, quiet_tensorflow
 
 __version__ = "0.1.0"
 
@@ -72,6 +72,7 @@ __all__ = [
     "TfrecomputeError",
     "UntraceableModelError",
     "__version__",
+    "count_cpu_memory",
     "quiet_tensorflow",
     "strategies",
 ]

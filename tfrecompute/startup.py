@@ -1,4 +1,5 @@
-"""`quiet_tensorflow()`: import TensorFlow without its start-up logs.
+"""`quiet_tensorflow()`: import TensorFlow without its start-up logs; `count_cpu_memory()`:
+let TensorFlow count the bytes its CPU allocator holds.
 
 On import TensorFlow's C++ runtime writes lines such as "oneDNN custom
 operations are on", "Could not find cuda drivers" and, on a machine without a
@@ -7,6 +8,21 @@ error (file descriptor 2), before its own log settings apply:
 `TF_CPP_MIN_LOG_LEVEL` alone does not hide them in TensorFlow 2.21. The
 command line and the examples call `quiet_tensorflow()` before anything
 imports TensorFlow. Pure Python until called.
+
+NOTE [ Counting CPU memory ]
+Every measurement here (`measure_step`, `trace_step`, `calibrate=True`,
+`verify=True`, `max_batch_size`, a call's measured workspace, an
+optimizer's measured update) reads TensorFlow's allocator: its current and
+peak bytes, and the profiler's allocation events. On a CPU, TensorFlow
+keeps them only when its CPU allocator is its BFC allocator: by default
+where oneDNN is on (TensorFlow turns oneDNN on by itself on CPUs with
+AVX-512 and similar; measured here on an AMD EPYC without AVX-512, it was
+off and `tf.config.experimental.get_memory_info("CPU:0")` raised "Allocator
+stats not available"), or when `TF_CPU_ALLOCATOR_USE_BFC=true`. TensorFlow
+reads that variable when its runtime starts (its first operation or device
+placement, not its import), so `count_cpu_memory()` sets it while it still
+can; the command line, the examples and `max_batch_size`'s probe processes
+do. On a GPU the allocator is BFC unless `TF_GPU_ALLOCATOR=cuda_malloc_async`.
 """
 
 from __future__ import annotations
@@ -21,7 +37,32 @@ from typing import BinaryIO
 
 from tfrecompute._messages import as_bool
 
-__all__ = ["quiet_tensorflow"]
+__all__ = ["CPU_ALLOCATOR_VARIABLE", "count_cpu_memory", "quiet_tensorflow"]
+
+CPU_ALLOCATOR_VARIABLE = "TF_CPU_ALLOCATOR_USE_BFC"  # TensorFlow's switch to its BFC CPU allocator
+
+
+def count_cpu_memory() -> None:
+    """Makes TensorFlow's CPU allocator count the bytes it holds, for measuring on a CPU.
+
+    Sets `TF_CPU_ALLOCATOR_USE_BFC=true` unless the variable is set already
+    (NOTE [ Counting CPU memory ]). Needed where TensorFlow does not turn
+    oneDNN on by itself (CPUs without AVX-512); harmless elsewhere. Call it
+    before TensorFlow runs its first operation (importing TensorFlow or Keras
+    first is fine; building a model is too late): afterwards the allocator
+    is fixed for the process, and measuring raises a `RuntimeError` that
+    says so.
+
+    Example:
+
+    ```python
+    import tfrecompute
+
+    tfrecompute.count_cpu_memory()  # before the first model is built
+    import keras
+    ```
+    """
+    os.environ.setdefault(CPU_ALLOCATOR_VARIABLE, "true")
 
 
 def quiet_tensorflow(*, verbose: bool = False) -> None:

@@ -37,6 +37,7 @@ import tensorflow as tf
 
 from tfrecompute._keras_internals import xplane_pb2
 from tfrecompute._messages import as_positive_int, fail, received
+from tfrecompute.costs.measured import memory_info
 from tfrecompute.strategies import format_bytes
 
 __all__ = [
@@ -153,15 +154,15 @@ class _Step:
     cpu_seconds: float  # CPU time of the process (all threads)
 
 
-def _run_step(model: keras.Model, x: Any, y: Any, device: tf.DeviceSpec) -> _Step:
+def _run_step(api: str, model: keras.Model, x: Any, y: Any, device: tf.DeviceSpec) -> _Step:
     """Runs one compiled training step from a reset allocator peak; returns what it took."""
     name = _device_name(device)
-    before = tf.config.experimental.get_memory_info(name)["current"]
+    before = memory_info(api, name)["current"]
     tf.config.experimental.reset_memory_stats(name)
     wall, cpu = time.perf_counter(), time.process_time()
     model.train_on_batch(x, y)
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
-    peak = tf.config.experimental.get_memory_info(name)["peak"] - before
+    peak = memory_info(api, name)["peak"] - before
     return _Step(int(peak), wall, cpu)
 
 
@@ -224,7 +225,7 @@ def measure_step(
     """
     as_positive_int("measure_step", "steps", steps, example="steps=3")
     x, y, spec = _prepare_step("measure_step", model, x, y, warmup=warmup, device=device)
-    measured = [_run_step(model, x, y, spec) for _ in range(steps)]
+    measured = [_run_step("measure_step", model, x, y, spec) for _ in range(steps)]
     device = _device_name(spec)
     peak = max(step.peak_bytes for step in measured)
     if peak <= 0:
@@ -484,7 +485,7 @@ def traced_events(
                 "tf.profiler.experimental.stop() first."
             ) from error
         try:
-            step = _run_step(model, x, y, spec)
+            step = _run_step(api, model, x, y, spec)
         finally:
             tf.profiler.experimental.stop()
         events = _memory_events(logdir, spec)

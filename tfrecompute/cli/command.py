@@ -67,7 +67,7 @@ from tfrecompute import strategies
 from tfrecompute._messages import cause, received
 from tfrecompute.cli import plots
 from tfrecompute.errors import InfeasibleBudgetError
-from tfrecompute.startup import quiet_tensorflow
+from tfrecompute.startup import count_cpu_memory, quiet_tensorflow
 from tfrecompute.strategies._table import WIDTH, free_width, span_name, table
 from tfrecompute.strategies.headroom import check_headroom, headroom_of
 from tfrecompute.strategies.plan import chain_budget
@@ -389,6 +389,7 @@ def _load_model(command: str, args: argparse.Namespace) -> _Loaded:
             "Pass the path of a model saved with model.save('model.keras').",
             code=2,
         )
+    count_cpu_memory()  # the command measures: TensorFlow's allocator must count bytes
     quiet_tensorflow(verbose=args.verbose)
     import keras
 

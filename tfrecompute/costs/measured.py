@@ -27,6 +27,7 @@ is restored after the run.
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 import time
 from typing import Any
@@ -36,14 +37,17 @@ import numpy as np
 import tensorflow as tf
 
 from tfrecompute._keras_internals import call_has_training_arg
+from tfrecompute._messages import fail
 from tfrecompute.costs.call_memory import CallMemory, TracedStep
 from tfrecompute.graph.layer_graph import tensor_bytes, trainable_variables
+from tfrecompute.startup import CPU_ALLOCATOR_VARIABLE
 
 __all__ = [
     "CallMeasurement",
     "corrected",
     "measure_call",
     "measurement_device",
+    "memory_info",
     "median_seconds",
     "sample_tensor",
     "step_function",
@@ -74,6 +78,46 @@ class CallMeasurement:
 def measurement_device() -> str:
     """`"GPU:0"` when TensorFlow sees a GPU, else `"CPU:0"`: where calls are measured."""
     return "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
+
+
+def memory_info(api: str, device: str) -> dict[str, int]:
+    """The allocator's current and peak bytes on `device` (`"CPU:0"`, `"GPU:0"`).
+
+    Raises:
+        RuntimeError: TensorFlow keeps no statistics for that device's allocator in this
+            process; the message says how to have them (NOTE [ Counting CPU memory ] in
+            `tfrecompute.startup`).
+    """
+    try:
+        return dict(tf.config.experimental.get_memory_info(device))
+    except ValueError:
+        pass
+    if device.upper().startswith("GPU"):
+        fix = (
+            "TensorFlow's BFC GPU allocator keeps them: leave TF_GPU_ALLOCATOR unset "
+            "(cuda_malloc_async keeps none)"
+        )
+    else:
+        started = (
+            f"{CPU_ALLOCATOR_VARIABLE} is set, but TensorFlow started its runtime before it was"
+            if os.environ.get(CPU_ALLOCATOR_VARIABLE)
+            else "TensorFlow counts CPU memory only where oneDNN is on (CPUs with AVX-512) or "
+            f"{CPU_ALLOCATOR_VARIABLE}=true"
+        )
+        fix = (
+            f"{started}: call tfrecompute.count_cpu_memory() before TensorFlow's first "
+            f"operation (before building a model), or start Python with {CPU_ALLOCATOR_VARIABLE}"
+            "=true in the environment"
+        )
+    fail(
+        api,
+        "TensorFlow keeps no allocator statistics for this device in this process, and "
+        "measuring memory reads them",
+        "device",
+        device,
+        fix,
+        error=RuntimeError,
+    )
 
 
 def corrected(memory: CallMemory, measured: CallMeasurement) -> CallMemory:
@@ -165,10 +209,10 @@ def measure_call(
                 upstream = [_ones(spec) for spec in traced.specs[traced.arguments :]]
                 both, given = traced.function, (*values, *upstream)
             both(*given)  # traces (unless traced) and compiles
-            before = tf.config.experimental.get_memory_info(name)["current"]
+            before = memory_info("profile", name)["current"]
             tf.config.experimental.reset_memory_stats(name)
             kept, grads = both(*given)
-            peak = tf.config.experimental.get_memory_info(name)["peak"] - before
+            peak = memory_info("profile", name)["peak"] - before
             accounted = _bytes(list(kept)) + _bytes(list(grads))
             del kept, grads
             seconds = _time_forward(run, values, name) if time_forward else None

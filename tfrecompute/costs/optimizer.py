@@ -47,7 +47,7 @@ import keras
 import tensorflow as tf
 
 from tfrecompute import strategies
-from tfrecompute.costs.measured import measurement_device
+from tfrecompute.costs.measured import measurement_device, memory_info
 from tfrecompute.distribute import in_own_thread
 from tfrecompute.graph.layer_graph import LayerGraph, tensor_bytes, trainable_variables
 
@@ -145,10 +145,10 @@ def _measured_ratio(optimizer_class: Any, config: dict[str, Any], device: str) -
         step(value)  # traces it
         peaks = []
         for _ in range(PROBE_RUNS):
-            before = tf.config.experimental.get_memory_info(device)["current"]
+            before = memory_info("profile", device)["current"]
             tf.config.experimental.reset_memory_stats(device)
             step(value)
-            peaks.append(tf.config.experimental.get_memory_info(device)["peak"] - before)
+            peaks.append(memory_info("profile", device)["peak"] - before)
     return whole_variables(peaks, 4 * PROBE_ELEMENTS)
 
 

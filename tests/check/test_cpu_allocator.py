@@ -1,0 +1,124 @@
+"""Measuring on a CPU where TensorFlow's allocator keeps no statistics by default.
+
+TensorFlow counts CPU memory only where oneDNN is on (it turns it on by itself
+on CPUs with AVX-512) or `TF_CPU_ALLOCATOR_USE_BFC=true` (NOTE [ Counting CPU
+memory ] in tfrecompute/startup.py). The suite runs with oneDNN on
+(tests/conftest.py); each test here runs Python in a process with it off and
+the variable unset, as TensorFlow starts on a CPU without AVX-512, whatever
+this machine's CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from tfrecompute.startup import CPU_ALLOCATOR_VARIABLE
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+MODEL = """
+import json
+import keras
+import numpy as np
+import tfrecompute
+
+def model():
+    keras.utils.set_random_seed(0)
+    layers = [keras.layers.Dense(512, activation="tanh") for _ in range(8)]
+    built = keras.Sequential([keras.Input((512,)), *layers, keras.layers.Dense(1)])
+    built.compile(optimizer="sgd", loss="mse")
+    return built
+
+x = np.random.default_rng(0).normal(size=(1024, 512)).astype("float32")
+y = np.zeros((1024, 1), "float32")
+"""
+
+
+def _run(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {key: value for key, value in os.environ.items() if key != CPU_ALLOCATOR_VARIABLE}
+    env.update(TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(ROOT))
+    return subprocess.run(
+        [sys.executable, *(["-c", script] if script else []), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=ROOT,
+    )
+
+
+def _last_json(result: subprocess.CompletedProcess[str]) -> dict:
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_measuring_without_statistics_says_how_to_have_them():
+    script = MODEL + (
+        "try:\n"
+        "    tfrecompute.measure_step(model(), x, y)\n"
+        "except RuntimeError as error:\n"
+        "    print(json.dumps({'error': str(error)}))\n"
+    )
+    message = _last_json(_run(script))["error"]
+    assert message.startswith(
+        "measure_step: TensorFlow keeps no allocator statistics for this device"
+    ), message
+    assert "Received: device='CPU:0'" in message
+    assert "tfrecompute.count_cpu_memory()" in message and "TF_CPU_ALLOCATOR_USE_BFC" in message
+
+
+def test_count_cpu_memory_after_importing_keras_lets_every_measurement_run():
+    script = MODEL.replace(
+        "import tfrecompute\n", "import tfrecompute\ntfrecompute.count_cpu_memory()\n"
+    ) + (
+        "m = model()\n"
+        "stored = tfrecompute.measure_step(m, x, y).peak_bytes\n"
+        "trace = tfrecompute.trace_step(m, x, y)\n"
+        "plan = tfrecompute.plan(m, 'sqrt', sample=(x, y), calibrate=True)\n"
+        "tfrecompute.recompute(m, plan)\n"
+        "sqrt = tfrecompute.measure_step(m, x, y).peak_bytes\n"
+        "print(json.dumps({'stored': stored, 'requested': trace.requested_peak_bytes,\n"
+        "                  'sqrt': sqrt, 'replayed': plan.replayed_peak_bytes}))\n"
+    )
+    found = _last_json(_run(script))
+    activations = 8 * 1024 * 512 * 4  # eight 2 MiB outputs a stored step keeps
+    assert found["stored"] >= activations and found["requested"] >= activations, found
+    assert found["sqrt"] < found["stored"], found
+    assert found["replayed"] is not None and found["replayed"] > 0, found
+
+
+def test_count_cpu_memory_after_tensorflow_started_is_named_in_the_error():
+    script = MODEL + (
+        "m = model()\n"  # building the model starts TensorFlow's runtime
+        "tfrecompute.count_cpu_memory()\n"
+        "try:\n"
+        "    tfrecompute.measure_step(m, x, y)\n"
+        "except RuntimeError as error:\n"
+        "    print(json.dumps({'error': str(error)}))\n"
+    )
+    message = _last_json(_run(script))["error"]
+    assert "TF_CPU_ALLOCATOR_USE_BFC is set, but TensorFlow started its runtime before" in message
+
+
+@pytest.mark.slow
+def test_the_main_demo_runs_as_pasted():
+    result = _run("", "examples/quickstart.py", "--depth", "4", "--width", "256")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "of the memory" in result.stdout and "weight difference" in result.stdout
+
+
+def test_the_command_line_counts_cpu_memory_itself(tmp_path):
+    saved = tmp_path / "chain.keras"
+    script = MODEL.replace(
+        "import tfrecompute\n", "import tfrecompute\ntfrecompute.count_cpu_memory()\n"
+    )
+    _last_json(_run(script + f"model().save({str(saved)!r})\nprint(json.dumps({{}}))\n"))
+    result = _run("", "-m", "tfrecompute", "plan", str(saved), "--batch-size", "512", "--calibrate")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Memory calibrated by a measured step storing everything" in result.stdout
