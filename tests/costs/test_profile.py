@@ -11,7 +11,7 @@ import tensorflow as tf
 
 import tfrecompute
 from tests import models_zoo
-from tests.helpers import MODES, forward_and_grads, highest_requested_trace
+from tests.helpers import MODES, assert_same_values, forward_and_grads, highest_requested_trace
 from tfrecompute import strategies
 
 
@@ -239,5 +239,4 @@ def test_a_call_returning_an_eager_constant_is_profiled_and_checkpointed(mode):
     tfrecompute.recompute(model, "sqrt", sample=x)
     assert tfrecompute.checkpoints(model).blocks
     got = forward_and_grads(model, [tf.constant(x)], model.trainable_variables, mode)
-    for g, w in zip(got, want):
-        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
+    assert_same_values(got, want)  # to each tensor's scale: oneDNN's kernels round differently
