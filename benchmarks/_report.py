@@ -329,6 +329,8 @@ def measure_steps(
     import keras
     import tensorflow as tf
 
+    from tfrecompute.costs.measured import memory_info
+
     device = default_device()
     with tf.device(device):
         x = keras.tree.map_structure(tf.convert_to_tensor, x)
@@ -338,10 +340,10 @@ def measure_steps(
         model.train_on_batch(x, y)
     peaks = []
     for _ in range(steps):
-        before = tf.config.experimental.get_memory_info(device)["current"]
+        before = memory_info("measure_steps", device)["current"]
         tf.config.experimental.reset_memory_stats(device)
         times.time(lambda: model.train_on_batch(x, y))
-        peaks.append(tf.config.experimental.get_memory_info(device)["peak"] - before)
+        peaks.append(memory_info("measure_steps", device)["peak"] - before)
     return int(max(peaks))
 
 

@@ -12,10 +12,10 @@ import pathlib
 import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-# Every machine runs the suite as TensorFlow runs on CPUs with AVX-512, where it turns
-# oneDNN on by itself and its CPU allocator (BFC) keeps the statistics that measuring reads
-# (NOTE [ Counting CPU memory ] in tfrecompute/startup.py); without AVX-512 it does neither
-# unless told before its import. tests/check/test_cpu_allocator.py runs the other way.
+# Every machine runs the suite with oneDNN on, as TensorFlow runs by itself on CPUs with
+# AVX-512 VNNI or BF16, AVX-VNNI or AMX, where its CPU allocator keeps the statistics that
+# measuring reads (NOTE [ Counting CPU memory ] in tfrecompute/startup.py); elsewhere it does
+# neither unless told before its import. tests/check/test_cpu_allocator.py runs without it.
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
 

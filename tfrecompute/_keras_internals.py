@@ -74,6 +74,19 @@ __all__ = [
 # nor stop recording on all tapes: `tf.GradientTape.stop_recording` stops one.
 
 
+def onednn_enabled() -> bool:
+    """Whether TensorFlow runs with oneDNN in this process (its CPU allocator then keeps
+    statistics). Importing TensorFlow decides it; its runtime need not have started."""
+    from tensorflow.python.util import _pywrap_util_port
+
+    return bool(_pywrap_util_port.IsMklEnabled())
+
+
+def runtime_started() -> bool:
+    """Whether TensorFlow's eager runtime has started (its devices and allocators are fixed)."""
+    return bool(context.context()._initialized)
+
+
 def tape_is_recording() -> bool:
     """Whether any gradient tape or forward accumulator could record the ops run now.
 

@@ -14,15 +14,19 @@ Every measurement here (`measure_step`, `trace_step`, `calibrate=True`,
 `verify=True`, `max_batch_size`, a call's measured workspace, an
 optimizer's measured update) reads TensorFlow's allocator: its current and
 peak bytes, and the profiler's allocation events. On a CPU, TensorFlow
-keeps them only when its CPU allocator is its BFC allocator: by default
-where oneDNN is on (TensorFlow turns oneDNN on by itself on CPUs with
-AVX-512 and similar; measured here on an AMD EPYC without AVX-512, it was
+keeps them only when its CPU allocator counts: where oneDNN is on (by
+TensorFlow's own policy, `tensorflow/core/util/port.cc`, on CPUs with
+AVX-512 VNNI or BF16, AVX-VNNI or AMX; on an AMD EPYC with AVX2 only it was
 off and `tf.config.experimental.get_memory_info("CPU:0")` raised "Allocator
-stats not available"), or when `TF_CPU_ALLOCATOR_USE_BFC=true`. TensorFlow
-reads that variable when its runtime starts (its first operation or device
-placement, not its import), so `count_cpu_memory()` sets it while it still
-can; the command line, the examples and `max_batch_size`'s probe processes
-do. On a GPU the allocator is BFC unless `TF_GPU_ALLOCATOR=cuda_malloc_async`.
+stats not available"), or when
+`TF_CPU_ALLOCATOR_USE_BFC=true`. TensorFlow reads that variable when its
+runtime starts (its first operation or device placement, not its import),
+so `count_cpu_memory()` sets it while it still can, and only where oneDNN is
+off: the two allocators count differently (oneDNN's serves requests under
+256 KiB from a pool outside its statistics; twenty 40 KB tensors added 0
+bytes to its count and 785 KiB to the BFC allocator's), and where oneDNN is
+on the measurements stay those of TensorFlow's default. The command line,
+the examples and `max_batch_size`'s probe processes call it.
 """
 
 from __future__ import annotations
@@ -45,13 +49,14 @@ CPU_ALLOCATOR_VARIABLE = "TF_CPU_ALLOCATOR_USE_BFC"  # TensorFlow's switch to it
 def count_cpu_memory() -> None:
     """Makes TensorFlow's CPU allocator count the bytes it holds, for measuring on a CPU.
 
-    Sets `TF_CPU_ALLOCATOR_USE_BFC=true` unless the variable is set already
-    (NOTE [ Counting CPU memory ]). Needed where TensorFlow does not turn
-    oneDNN on by itself (CPUs without AVX-512); harmless elsewhere. Call it
-    before TensorFlow runs its first operation (importing TensorFlow or Keras
-    first is fine; building a model is too late): afterwards the allocator
-    is fixed for the process, and measuring raises a `RuntimeError` that
-    says so.
+    Where TensorFlow runs with oneDNN, its CPU allocator counts already and
+    nothing changes. Elsewhere it sets `TF_CPU_ALLOCATOR_USE_BFC=true` unless
+    the variable is set (NOTE [ Counting CPU memory ]). Imports TensorFlow.
+    Call it before TensorFlow runs its first operation (importing TensorFlow
+    or Keras first is fine; building a model is too late).
+
+    Raises:
+        RuntimeError: TensorFlow's runtime has started without a counting allocator.
 
     Example:
 
@@ -62,7 +67,18 @@ def count_cpu_memory() -> None:
     import keras
     ```
     """
-    os.environ.setdefault(CPU_ALLOCATOR_VARIABLE, "true")
+    from tfrecompute._keras_internals import onednn_enabled, runtime_started
+
+    if onednn_enabled() or os.environ.get(CPU_ALLOCATOR_VARIABLE) is not None:
+        return
+    if runtime_started():
+        raise RuntimeError(
+            "count_cpu_memory: TensorFlow's runtime has started (a model was built or an "
+            "operation ran) without oneDNN, and its CPU allocator, which keeps no statistics, "
+            "is fixed for this process. Call tfrecompute.count_cpu_memory() before building "
+            f"a model, or start Python with {CPU_ALLOCATOR_VARIABLE}=true in the environment."
+        )
+    os.environ[CPU_ALLOCATOR_VARIABLE] = "true"
 
 
 def quiet_tensorflow(*, verbose: bool = False) -> None:

@@ -40,9 +40,10 @@ y = np.zeros((1024, 1), "float32")
 """
 
 
-def _run(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+def _run(script: str, *args: str, **extra: str) -> subprocess.CompletedProcess[str]:
     env = {key: value for key, value in os.environ.items() if key != CPU_ALLOCATOR_VARIABLE}
     env.update(TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(ROOT))
+    env.update(CUDA_VISIBLE_DEVICES="", **extra)
     return subprocess.run(
         [sys.executable, *(["-c", script] if script else []), *args],
         capture_output=True,
@@ -60,17 +61,35 @@ def _last_json(result: subprocess.CompletedProcess[str]) -> dict:
 
 def test_measuring_without_statistics_says_how_to_have_them():
     script = MODEL + (
+        "said = {}\n"
+        "runs = [('measure_step', lambda: tfrecompute.measure_step(model(), x, y)),\n"
+        "        ('profile', lambda: tfrecompute.profile(model(), sample=x, measure=True))]\n"
+        "for api, run in runs:\n"
+        "    try:\n"
+        "        run()\n"
+        "    except RuntimeError as error:\n"
+        "        said[api] = str(error)\n"
+        "print(json.dumps(said))\n"
+    )
+    said = _last_json(_run(script))
+    assert set(said) == {"measure_step", "profile"}, said
+    for api, message in said.items():
+        assert message.startswith(
+            f"{api}: TensorFlow keeps no allocator statistics for this device"
+        ), message
+        assert "Received: device='CPU:0'" in message
+        assert "tfrecompute.count_cpu_memory()" in message and "=true" in message
+
+
+def test_a_variable_set_to_false_is_named_in_the_error():
+    script = MODEL + (
         "try:\n"
         "    tfrecompute.measure_step(model(), x, y)\n"
         "except RuntimeError as error:\n"
         "    print(json.dumps({'error': str(error)}))\n"
     )
-    message = _last_json(_run(script))["error"]
-    assert message.startswith(
-        "measure_step: TensorFlow keeps no allocator statistics for this device"
-    ), message
-    assert "Received: device='CPU:0'" in message
-    assert "tfrecompute.count_cpu_memory()" in message and "TF_CPU_ALLOCATOR_USE_BFC" in message
+    message = _last_json(_run(script, TF_CPU_ALLOCATOR_USE_BFC="false"))["error"]
+    assert "TF_CPU_ALLOCATOR_USE_BFC='false' in the environment keeps" in message, message
 
 
 def test_count_cpu_memory_after_importing_keras_lets_every_measurement_run():
@@ -93,17 +112,52 @@ def test_count_cpu_memory_after_importing_keras_lets_every_measurement_run():
     assert found["replayed"] is not None and found["replayed"] > 0, found
 
 
-def test_count_cpu_memory_after_tensorflow_started_is_named_in_the_error():
+def test_count_cpu_memory_after_tensorflow_started_raises_at_once():
     script = MODEL + (
         "m = model()\n"  # building the model starts TensorFlow's runtime
-        "tfrecompute.count_cpu_memory()\n"
+        "try:\n"
+        "    tfrecompute.count_cpu_memory()\n"
+        "except RuntimeError as error:\n"
+        "    print(json.dumps({'error': str(error)}))\n"
+    )
+    message = _last_json(_run(script))["error"]
+    assert message.startswith("count_cpu_memory: TensorFlow's runtime has started"), message
+
+
+def test_a_variable_set_after_tensorflow_started_is_named_in_the_error():
+    script = MODEL + (
+        "import os\n"
+        "m = model()\n"
+        "os.environ['TF_CPU_ALLOCATOR_USE_BFC'] = 'true'\n"
         "try:\n"
         "    tfrecompute.measure_step(m, x, y)\n"
         "except RuntimeError as error:\n"
         "    print(json.dumps({'error': str(error)}))\n"
     )
     message = _last_json(_run(script))["error"]
-    assert "TF_CPU_ALLOCATOR_USE_BFC is set, but TensorFlow started its runtime before" in message
+    assert "TF_CPU_ALLOCATOR_USE_BFC=true was set after TensorFlow's runtime started" in message
+
+
+def test_count_cpu_memory_leaves_a_process_with_onednn_as_it_is():
+    script = (
+        "import json, os\n"
+        "import tfrecompute\n"
+        "tfrecompute.count_cpu_memory()\n"
+        "print(json.dumps({'set': os.environ.get('TF_CPU_ALLOCATOR_USE_BFC')}))\n"
+    )
+    assert _last_json(_run(script, TF_ENABLE_ONEDNN_OPTS="1")) == {"set": None}
+    assert _last_json(_run(script)) == {"set": "true"}
+
+
+@pytest.mark.slow
+def test_max_batch_size_probes_count_cpu_memory_themselves():
+    script = MODEL.replace("np.random.default_rng(0).normal(size=(1024, 512))", "np.ones((8, 512))")
+    script = script.replace("np.zeros((1024, 1)", "np.zeros((8, 1)") + (
+        "found = tfrecompute.max_batch_size(model(), (x, y), budget='1GiB', multiple=8,\n"
+        "                                   limit=16, progress=False)\n"
+        "print(json.dumps({'batch_size': found.batch_size}))\n"
+    )
+    assert _last_json(_run(script)) == {"batch_size": 16}
 
 
 @pytest.mark.slow

@@ -16,6 +16,9 @@ import traceback
 
 
 def main(folder: str, batch_size: str) -> None:
+    from tfrecompute.startup import count_cpu_memory
+
+    count_cpu_memory()  # a probe measures (NOTE [ Counting CPU memory ])
     import keras
 
     import tfrecompute.layers  # registers RecomputeBlock for loading

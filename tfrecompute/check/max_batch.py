@@ -38,7 +38,6 @@ from tfrecompute._messages import as_bool, as_positive_int, fail
 from tfrecompute.check.twin import labelled
 from tfrecompute.check.verified_plan import planner, verify
 from tfrecompute.errors import InfeasibleBudgetError
-from tfrecompute.startup import CPU_ALLOCATOR_VARIABLE
 from tfrecompute.strategies.units import budget_bytes, budget_share
 
 __all__ = ["BatchProbe", "MaxBatch", "max_batch_size", "probe_batch", "repeated"]
@@ -158,7 +157,6 @@ class _Isolated:
     def __call__(self, batch_size: int) -> BatchProbe:
         command = [sys.executable, "-m", "tfrecompute.check._probe", self.folder, str(batch_size)]
         env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
-        env.setdefault(CPU_ALLOCATOR_VARIABLE, "true")  # NOTE [ Counting CPU memory ]
         package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = os.pathsep.join([package, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         result = subprocess.run(command, capture_output=True, text=True, env=env)

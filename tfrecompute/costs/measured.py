@@ -37,7 +37,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfrecompute._keras_internals import call_has_training_arg
-from tfrecompute._messages import fail
+from tfrecompute._messages import cause, fail
 from tfrecompute.costs.call_memory import CallMemory, TracedStep
 from tfrecompute.graph.layer_graph import tensor_bytes, trainable_variables
 from tfrecompute.startup import CPU_ALLOCATOR_VARIABLE
@@ -90,33 +90,42 @@ def memory_info(api: str, device: str) -> dict[str, int]:
     """
     try:
         return dict(tf.config.experimental.get_memory_info(device))
-    except ValueError:
-        pass
-    if device.upper().startswith("GPU"):
-        fix = (
-            "TensorFlow's BFC GPU allocator keeps them: leave TF_GPU_ALLOCATOR unset "
-            "(cuda_malloc_async keeps none)"
+    except ValueError as error:
+        if device.upper().startswith("GPU") or "stats not available" not in str(error):
+            fix = f"TensorFlow said: {cause(error)}"
+        else:
+            fix = _counting_fix()
+        fail(
+            api,
+            "TensorFlow keeps no allocator statistics for this device in this process, and "
+            "measuring memory reads them",
+            "device",
+            device,
+            fix,
+            error=RuntimeError,
         )
-    else:
-        started = (
-            f"{CPU_ALLOCATOR_VARIABLE} is set, but TensorFlow started its runtime before it was"
-            if os.environ.get(CPU_ALLOCATOR_VARIABLE)
-            else "TensorFlow counts CPU memory only where oneDNN is on (CPUs with AVX-512) or "
-            f"{CPU_ALLOCATOR_VARIABLE}=true"
+
+
+def _counting_fix() -> str:
+    """How to have TensorFlow's CPU allocator count bytes, given the environment now."""
+    value = os.environ.get(CPU_ALLOCATOR_VARIABLE)
+    if value is None:
+        return (
+            "TensorFlow counts CPU memory where it runs with oneDNN (which it turns on by "
+            f"itself on some CPUs) or with {CPU_ALLOCATOR_VARIABLE}=true: call "
+            "tfrecompute.count_cpu_memory() before building a model, or start Python with "
+            f"{CPU_ALLOCATOR_VARIABLE}=true in the environment"
         )
-        fix = (
-            f"{started}: call tfrecompute.count_cpu_memory() before TensorFlow's first "
-            f"operation (before building a model), or start Python with {CPU_ALLOCATOR_VARIABLE}"
-            "=true in the environment"
+    if value.strip().lower() in ("1", "true"):
+        return (
+            f"{CPU_ALLOCATOR_VARIABLE}={value} was set after TensorFlow's runtime started: "
+            "call tfrecompute.count_cpu_memory() before building a model, or start Python "
+            "with it in the environment"
         )
-    fail(
-        api,
-        "TensorFlow keeps no allocator statistics for this device in this process, and "
-        "measuring memory reads them",
-        "device",
-        device,
-        fix,
-        error=RuntimeError,
+    return (
+        f"{CPU_ALLOCATOR_VARIABLE}={value!r} in the environment keeps TensorFlow's counting "
+        "CPU allocator off: set it to true (or unset it and call "
+        "tfrecompute.count_cpu_memory()) before building a model"
     )
 
 
@@ -177,6 +186,7 @@ def measure_call(
     time_forward: bool = False,
     device: str | None = None,
     traced: TracedStep | None = None,
+    api: str = "profile",
 ) -> CallMeasurement:
     """Runs one call's forward and backward on tensors of the real shapes and measures it.
 
@@ -193,6 +203,10 @@ def measure_call(
         traced: the call's step as `call_memory` traced it (`traced_call_memory`):
             run instead of tracing the call again, given ones as its output
             gradients (a large call's trace can take longer than its run).
+        api: the function measuring, named in its errors.
+
+    Raises:
+        RuntimeError: the allocator keeps no statistics (see `memory_info`).
     """
     name = device or measurement_device()
     flat = keras.tree.flatten((args, kwargs))
@@ -209,10 +223,10 @@ def measure_call(
                 upstream = [_ones(spec) for spec in traced.specs[traced.arguments :]]
                 both, given = traced.function, (*values, *upstream)
             both(*given)  # traces (unless traced) and compiles
-            before = memory_info("profile", name)["current"]
+            before = memory_info(api, name)["current"]
             tf.config.experimental.reset_memory_stats(name)
             kept, grads = both(*given)
-            peak = memory_info("profile", name)["peak"] - before
+            peak = memory_info(api, name)["peak"] - before
             accounted = _bytes(list(kept)) + _bytes(list(grads))
             del kept, grads
             seconds = _time_forward(run, values, name) if time_forward else None

@@ -496,6 +496,7 @@ def _measured(
             batch_size,
             time_forward=measuring.time,
             traced=traced,
+            api=measuring.api,
         )
     except tf.errors.InvalidArgumentError as error:
         return _unmeasured(call, memory, measuring, error), 0.0
