@@ -16,10 +16,10 @@ import sys
 
 import tfrecompute
 
-# Before keras starts TensorFlow: let its CPU allocator count bytes (measuring reads
-# them), and hide its start-up logs unless --verbose.
-tfrecompute.count_cpu_memory()
+# Before keras starts TensorFlow: hide its start-up logs unless --verbose, and let its
+# CPU allocator count bytes (measuring reads them).
 tfrecompute.quiet_tensorflow(verbose="--verbose" in sys.argv)
+tfrecompute.count_cpu_memory()
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402

@@ -389,8 +389,8 @@ def _load_model(command: str, args: argparse.Namespace) -> _Loaded:
             "Pass the path of a model saved with model.save('model.keras').",
             code=2,
         )
-    count_cpu_memory()  # the command measures: TensorFlow's allocator must count bytes
     quiet_tensorflow(verbose=args.verbose)
+    count_cpu_memory()  # the command measures: TensorFlow's allocator must count bytes
     import keras
 
     from tfrecompute import RecomputeBlock  # noqa: F401  (registers it for deserialization)
