@@ -24,9 +24,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
-# Every benchmark measures TensorFlow's CPU allocator as it runs on CPUs with AVX-512, where
-# TensorFlow turns oneDNN on by itself and the allocator keeps statistics (NOTE [ Counting CPU
-# memory ] in tfrecompute/startup.py); set before any script or worker imports TensorFlow.
+# Every benchmark measures TensorFlow's CPU allocator with oneDNN on, as TensorFlow runs by
+# itself on CPUs with AVX-512 VNNI or BF16, AVX-VNNI or AMX, where the allocator keeps
+# statistics (NOTE [ Counting CPU memory ] in tfrecompute/startup.py); set before any script
+# or worker imports TensorFlow.
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,6 +18,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # neither unless told before its import. tests/check/test_cpu_allocator.py runs without it.
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
+from tfrecompute.startup import count_cpu_memory  # noqa: E402
+
+count_cpu_memory()  # where oneDNN stays off all the same (TF_ENABLE_ONEDNN_OPTS=0 set by hand)
+
 
 # Temporary files (saved models, checkpoints, weight files) go to memory where the
 # machine has a tmpfs: on these VMs the disk at times stalls writes for minutes (I/O

@@ -25,8 +25,11 @@ so `count_cpu_memory()` sets it while it still can, and only where oneDNN is
 off: the two allocators count differently (oneDNN's serves requests under
 256 KiB from a pool outside its statistics; twenty 40 KB tensors added 0
 bytes to its count and 785 KiB to the BFC allocator's), and where oneDNN is
-on the measurements stay those of TensorFlow's default. The command line,
-the examples and `max_batch_size`'s probe processes call it.
+on the measurements stay those of TensorFlow's default. TensorFlow caps that
+BFC allocator at `TF_CPU_BFC_MEM_LIMIT_IN_MB`, 64 GiB unless set; on a
+machine with more memory `count_cpu_memory()` raises the cap to it, so that
+counting never limits a process the default allocator would let run. The
+command line, the examples and `max_batch_size`'s probe processes call it.
 """
 
 from __future__ import annotations
@@ -51,7 +54,9 @@ def count_cpu_memory() -> None:
 
     Where TensorFlow runs with oneDNN, its CPU allocator counts already and
     nothing changes. Elsewhere it sets `TF_CPU_ALLOCATOR_USE_BFC=true` unless
-    the variable is set (NOTE [ Counting CPU memory ]). Imports TensorFlow.
+    the variable is set, and raises that allocator's 64 GiB cap to the
+    machine's memory where it has more (NOTE [ Counting CPU memory ]).
+    Imports TensorFlow.
     Call it before TensorFlow runs its first operation (importing TensorFlow
     or Keras first is fine; building a model is too late).
 
@@ -79,6 +84,21 @@ def count_cpu_memory() -> None:
             f"a model, or start Python with {CPU_ALLOCATOR_VARIABLE}=true in the environment."
         )
     os.environ[CPU_ALLOCATOR_VARIABLE] = "true"
+    machine = _physical_mib()
+    if machine is not None and machine > _BFC_DEFAULT_LIMIT_MIB:
+        os.environ.setdefault(_BFC_LIMIT_VARIABLE, str(machine))
+
+
+_BFC_LIMIT_VARIABLE = "TF_CPU_BFC_MEM_LIMIT_IN_MB"  # the BFC CPU allocator's cap
+_BFC_DEFAULT_LIMIT_MIB = 1 << 16  # TensorFlow's default cap: 64 GiB
+
+
+def _physical_mib() -> int | None:
+    """The machine's memory in MiB, or None where the platform does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") >> 20
+    except (AttributeError, OSError, ValueError):
+        return None
 
 
 def quiet_tensorflow(*, verbose: bool = False) -> None:

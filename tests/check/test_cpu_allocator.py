@@ -1,11 +1,11 @@
 """Measuring on a CPU where TensorFlow's allocator keeps no statistics by default.
 
 TensorFlow counts CPU memory only where oneDNN is on (it turns it on by itself
-on CPUs with AVX-512) or `TF_CPU_ALLOCATOR_USE_BFC=true` (NOTE [ Counting CPU
-memory ] in tfrecompute/startup.py). The suite runs with oneDNN on
-(tests/conftest.py); each test here runs Python in a process with it off and
-the variable unset, as TensorFlow starts on a CPU without AVX-512, whatever
-this machine's CPU.
+on CPUs with AVX-512 VNNI or BF16, AVX-VNNI or AMX) or with
+`TF_CPU_ALLOCATOR_USE_BFC=true` (NOTE [ Counting CPU memory ] in
+tfrecompute/startup.py). The suite runs with oneDNN on (tests/conftest.py);
+each test here runs Python in a process with it off and the variable unset,
+as TensorFlow starts on other CPUs, whatever this machine's CPU.
 """
 
 from __future__ import annotations
@@ -143,10 +143,15 @@ def test_count_cpu_memory_leaves_a_process_with_onednn_as_it_is():
         "import json, os\n"
         "import tfrecompute\n"
         "tfrecompute.count_cpu_memory()\n"
-        "print(json.dumps({'set': os.environ.get('TF_CPU_ALLOCATOR_USE_BFC')}))\n"
+        "from tfrecompute._keras_internals import onednn_enabled\n"
+        "print(json.dumps({'set': os.environ.get('TF_CPU_ALLOCATOR_USE_BFC'),\n"
+        "                  'onednn': onednn_enabled()}))\n"
     )
-    assert _last_json(_run(script, TF_ENABLE_ONEDNN_OPTS="1")) == {"set": None}
-    assert _last_json(_run(script)) == {"set": "true"}
+    with_onednn = _last_json(_run(script, TF_ENABLE_ONEDNN_OPTS="1"))
+    if not with_onednn["onednn"]:
+        pytest.skip("this TensorFlow build has no oneDNN")
+    assert with_onednn == {"set": None, "onednn": True}
+    assert _last_json(_run(script)) == {"set": "true", "onednn": False}
 
 
 @pytest.mark.slow
@@ -176,3 +181,19 @@ def test_the_command_line_counts_cpu_memory_itself(tmp_path):
     result = _run("", "-m", "tfrecompute", "plan", str(saved), "--batch-size", "512", "--calibrate")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Memory calibrated by a measured step storing everything" in result.stdout
+
+
+@pytest.mark.parametrize(("machine_mib", "cap"), [(1 << 17, str(1 << 17)), (24 << 10, None)])
+def test_count_cpu_memory_raises_the_bfc_cap_to_a_larger_machines_memory(
+    monkeypatch, machine_mib, cap
+):
+    from tfrecompute import _keras_internals, startup
+
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("TF_CPU_")}
+    monkeypatch.setattr(os, "environ", environment)  # this process's own is left as it was
+    monkeypatch.setattr(_keras_internals, "onednn_enabled", lambda: False)
+    monkeypatch.setattr(_keras_internals, "runtime_started", lambda: False)
+    monkeypatch.setattr(startup, "_physical_mib", lambda: machine_mib)
+    startup.count_cpu_memory()
+    assert environment[CPU_ALLOCATOR_VARIABLE] == "true"
+    assert environment.get("TF_CPU_BFC_MEM_LIMIT_IN_MB") == cap

@@ -616,9 +616,9 @@ def test_bfloat16_checkpoints_halve_block_memory():
     Compared by requested peaks (`trace_step`): the allocator's rounding once
     made a bf16 step's allocator peak 69 MiB in CI. The float32 output layer,
     loss and weight gradients do not shrink, so bf16 is not a full half of the
-    peak: 0.75 or less on AVX-512 CPUs, 0.9 on an AVX2 one, whose bf16 matmul
-    gradients allocate float32 buffers. The checkpoints held at the peak are
-    a half on both.
+    peak: 0.75 or less on the AVX-512 CPUs of CI, 0.9 on an AVX2 one, whose bf16
+    matmul gradients allocate float32 buffers. The checkpoints held at the peak
+    are a half there.
     """
     depth, width, batch, block_size = 24, 128, 16384, 4
     x, y = _x((batch, width)), _x((batch, width), seed=1)
@@ -629,8 +629,8 @@ def test_bfloat16_checkpoints_halve_block_memory():
         _deep_mlp("mixed_bfloat16", float32_boundaries=True, **sizes), x, y
     )
     checkpoint = batch * width * 2  # one block's output in bf16
-    assert max(_checkpoints(bf16)) == checkpoint, bf16.summary()
-    assert max(_checkpoints(f32)) == 2 * checkpoint, f32.summary()
+    assert max(_checkpoints(bf16), default=0) == checkpoint, bf16.summary()
+    assert max(_checkpoints(f32), default=0) == 2 * checkpoint, f32.summary()
     assert _checkpoints(bf16).count(checkpoint) >= depth // block_size - 2, bf16.summary()
     assert bf16.requested_peak_bytes < 0.95 * f32.requested_peak_bytes, (
         bf16.summary(),

@@ -8,16 +8,16 @@ events, which its default host tracer records) and replays them in time
 order. Both run steps through `_run_step`, the one measured step.
 
 NOTE [ Requested and allocated bytes ]
-TensorFlow's BFC allocator (the CPU allocator under oneDNN, and the GPU
-allocator) serves a request from the smallest free chunk that fits, and only
-splits that chunk when it is at least twice the request (or the rest is at
-least 128 MiB). So a tensor can hold up to twice its own bytes: an 8 MiB
-activation placed in a 12 MiB hole left by an earlier step holds 12 MiB. The
-allocator's peak counts chunks; the bytes the tensors asked for are the
-"requested" peak. The difference depends on where earlier steps left free
-space (variables updated by copy-on-write move every step), so it varies from
-step to step of the same model. The planner's memory model predicts requested
-bytes; this module measures both.
+TensorFlow's BFC allocator (the CPU allocator under oneDNN or with
+`TF_CPU_ALLOCATOR_USE_BFC=true`, and the GPU allocator) serves a request from
+the smallest free chunk that fits, and only splits that chunk when it is at
+least twice the request (or the rest is at least 128 MiB). So a tensor can
+hold up to twice its own bytes: an 8 MiB activation placed in a 12 MiB hole
+left by an earlier step holds 12 MiB. The allocator's peak counts chunks; the
+bytes the tensors asked for are the "requested" peak. The difference depends
+on where earlier steps left free space (variables updated by copy-on-write
+move every step), so it varies from step to step of the same model. The
+planner's memory model predicts requested bytes; this module measures both.
 """
 
 from __future__ import annotations
