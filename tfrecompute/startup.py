@@ -16,16 +16,15 @@ optimizer's measured update) reads TensorFlow's allocator: its current and
 peak bytes, and the profiler's allocation events. On a CPU, TensorFlow
 keeps them only when its CPU allocator counts: where oneDNN is on (by
 TensorFlow's own policy, `tensorflow/core/util/port.cc`, on CPUs with
-AVX-512 VNNI or BF16, AVX-VNNI or AMX; on an AMD EPYC with AVX2 only it was
-off and `tf.config.experimental.get_memory_info("CPU:0")` raised "Allocator
-stats not available"), or when
-`TF_CPU_ALLOCATOR_USE_BFC=true`. TensorFlow reads that variable when its
+AVX-512 VNNI or BF16, AVX-VNNI or AMX; without it
+`tf.config.experimental.get_memory_info("CPU:0")` raises "Allocator stats
+not available"), or when `TF_CPU_ALLOCATOR_USE_BFC=true`. TensorFlow reads that variable when its
 runtime starts (its first operation or device placement, not its import),
 so `count_cpu_memory()` sets it while it still can, and only where oneDNN is
 off: the two allocators count differently (oneDNN's serves requests under
-256 KiB from a pool outside its statistics; twenty 40 KB tensors added 0
-bytes to its count and 785 KiB to the BFC allocator's), and where oneDNN is
-on the measurements stay those of TensorFlow's default. TensorFlow caps that
+256 KiB from a pool outside its statistics, the BFC allocator counts them;
+tests/check/test_cpu_allocator.py), and where oneDNN is on the measurements
+stay those of TensorFlow's default. TensorFlow caps that
 BFC allocator at `TF_CPU_BFC_MEM_LIMIT_IN_MB`, 64 GiB unless set; on a
 machine with more memory `count_cpu_memory()` raises the cap to it, so that
 counting never limits a process the default allocator would let run. The
@@ -44,9 +43,15 @@ from typing import BinaryIO
 
 from tfrecompute._messages import as_bool
 
-__all__ = ["CPU_ALLOCATOR_VARIABLE", "count_cpu_memory", "quiet_tensorflow"]
+__all__ = ["COUNTING_FIX", "CPU_ALLOCATOR_VARIABLE", "count_cpu_memory", "quiet_tensorflow"]
 
 CPU_ALLOCATOR_VARIABLE = "TF_CPU_ALLOCATOR_USE_BFC"  # TensorFlow's switch to its BFC CPU allocator
+_BFC_LIMIT_VARIABLE = "TF_CPU_BFC_MEM_LIMIT_IN_MB"  # the BFC CPU allocator's cap
+_BFC_DEFAULT_LIMIT_MIB = 1 << 16  # TensorFlow's default cap: 64 GiB
+COUNTING_FIX = (  # how to have a counting CPU allocator, as every error about it says
+    "call tfrecompute.count_cpu_memory() before building a model, or start Python with "
+    f"{CPU_ALLOCATOR_VARIABLE}=true in the environment"
+)
 
 
 def count_cpu_memory() -> None:
@@ -80,17 +85,12 @@ def count_cpu_memory() -> None:
         raise RuntimeError(
             "count_cpu_memory: TensorFlow's runtime has started (a model was built or an "
             "operation ran) without oneDNN, and its CPU allocator, which keeps no statistics, "
-            "is fixed for this process. Call tfrecompute.count_cpu_memory() before building "
-            f"a model, or start Python with {CPU_ALLOCATOR_VARIABLE}=true in the environment."
+            f"is fixed for this process. {COUNTING_FIX[0].upper()}{COUNTING_FIX[1:]}."
         )
     os.environ[CPU_ALLOCATOR_VARIABLE] = "true"
     machine = _physical_mib()
     if machine is not None and machine > _BFC_DEFAULT_LIMIT_MIB:
         os.environ.setdefault(_BFC_LIMIT_VARIABLE, str(machine))
-
-
-_BFC_LIMIT_VARIABLE = "TF_CPU_BFC_MEM_LIMIT_IN_MB"  # the BFC CPU allocator's cap
-_BFC_DEFAULT_LIMIT_MIB = 1 << 16  # TensorFlow's default cap: 64 GiB
 
 
 def _physical_mib() -> int | None:

@@ -197,3 +197,24 @@ def test_count_cpu_memory_raises_the_bfc_cap_to_a_larger_machines_memory(
     startup.count_cpu_memory()
     assert environment[CPU_ALLOCATOR_VARIABLE] == "true"
     assert environment.get("TF_CPU_BFC_MEM_LIMIT_IN_MB") == cap
+
+
+def test_the_two_counting_allocators_differ_on_buffers_under_256_kib():
+    # Why count_cpu_memory leaves a process with oneDNN as it is: oneDNN's allocator serves
+    # small buffers outside its statistics, TensorFlow's BFC allocator counts them.
+    script = (
+        "import json\n"
+        "import tensorflow as tf\n"
+        "from tfrecompute._keras_internals import onednn_enabled\n"
+        "large = tf.ones([1024, 1024])\n"
+        "before = tf.config.experimental.get_memory_info('CPU:0')['current']\n"
+        "small = [tf.ones([100, 100]) + i for i in range(20)]\n"  # 40 KB each
+        "added = tf.config.experimental.get_memory_info('CPU:0')['current'] - before\n"
+        "print(json.dumps({'added': added, 'onednn': onednn_enabled()}))\n"
+    )
+    onednn = _last_json(_run(script, TF_ENABLE_ONEDNN_OPTS="1"))
+    if not onednn["onednn"]:
+        pytest.skip("this TensorFlow build has no oneDNN")
+    bfc = _last_json(_run(script, TF_CPU_ALLOCATOR_USE_BFC="true"))
+    assert bfc["added"] >= 20 * 100 * 100 * 4, bfc
+    assert onednn["added"] < 0.1 * bfc["added"], (onednn, bfc)
