@@ -40,7 +40,7 @@ from tfrecompute._keras_internals import call_has_training_arg
 from tfrecompute._messages import cause, fail
 from tfrecompute.costs.call_memory import CallMemory, TracedStep
 from tfrecompute.graph.layer_graph import tensor_bytes, trainable_variables
-from tfrecompute.startup import CPU_ALLOCATOR_VARIABLE
+from tfrecompute.startup import COUNTING_FIX, CPU_ALLOCATOR_VARIABLE
 
 __all__ = [
     "CallMeasurement",
@@ -112,15 +112,12 @@ def _counting_fix() -> str:
     if value is None:
         return (
             "TensorFlow counts CPU memory where it runs with oneDNN (which it turns on by "
-            f"itself on some CPUs) or with {CPU_ALLOCATOR_VARIABLE}=true: call "
-            "tfrecompute.count_cpu_memory() before building a model, or start Python with "
-            f"{CPU_ALLOCATOR_VARIABLE}=true in the environment"
+            f"itself on some CPUs) or with {CPU_ALLOCATOR_VARIABLE}=true: {COUNTING_FIX}"
         )
     if value.strip().lower() in ("1", "true"):
         return (
             f"{CPU_ALLOCATOR_VARIABLE}={value} was set after TensorFlow's runtime started: "
-            "call tfrecompute.count_cpu_memory() before building a model, or start Python "
-            "with it in the environment"
+            f"{COUNTING_FIX}"
         )
     return (
         f"{CPU_ALLOCATOR_VARIABLE}={value!r} in the environment keeps TensorFlow's counting "
