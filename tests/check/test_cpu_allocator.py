@@ -63,7 +63,9 @@ def test_measuring_without_statistics_says_how_to_have_them():
     script = MODEL + (
         "said = {}\n"
         "runs = [('measure_step', lambda: tfrecompute.measure_step(model(), x, y)),\n"
-        "        ('profile', lambda: tfrecompute.profile(model(), sample=x, measure=True))]\n"
+        "        ('profile', lambda: tfrecompute.profile(model(), sample=x, measure=True)),\n"
+        "        ('recompute', lambda: tfrecompute.recompute(\n"
+        "            model(), 'optimal', budget='16MiB', sample=(x, y), verify=True))]\n"
         "for api, run in runs:\n"
         "    try:\n"
         "        run()\n"
@@ -72,7 +74,7 @@ def test_measuring_without_statistics_says_how_to_have_them():
         "print(json.dumps(said))\n"
     )
     said = _last_json(_run(script))
-    assert set(said) == {"measure_step", "profile"}, said
+    assert set(said) == {"measure_step", "profile", "recompute"}, said
     for api, message in said.items():
         assert message.startswith(
             f"{api}: TensorFlow keeps no allocator statistics for this device"
@@ -144,6 +146,7 @@ def test_count_cpu_memory_leaves_a_process_with_onednn_as_it_is():
         "import tfrecompute\n"
         "tfrecompute.count_cpu_memory()\n"
         "from tfrecompute._keras_internals import onednn_enabled\n"
+        "from tfrecompute.startup import counted_from\n"
         "print(json.dumps({'set': os.environ.get('TF_CPU_ALLOCATOR_USE_BFC'),\n"
         "                  'onednn': onednn_enabled()}))\n"
     )
@@ -206,11 +209,13 @@ def test_the_two_counting_allocators_differ_on_buffers_under_256_kib():
         "import json\n"
         "import tensorflow as tf\n"
         "from tfrecompute._keras_internals import onednn_enabled\n"
+        "from tfrecompute.startup import counted_from\n"
         "large = tf.ones([1024, 1024])\n"
         "before = tf.config.experimental.get_memory_info('CPU:0')['current']\n"
         "small = [tf.ones([100, 100]) + i for i in range(20)]\n"  # 40 KB each
         "added = tf.config.experimental.get_memory_info('CPU:0')['current'] - before\n"
-        "print(json.dumps({'added': added, 'onednn': onednn_enabled()}))\n"
+        "print(json.dumps({'added': added, 'onednn': onednn_enabled(), "
+        "'counted_from': counted_from('CPU')}))\n"
     )
     onednn = _last_json(_run(script, TF_ENABLE_ONEDNN_OPTS="1"))
     if not onednn["onednn"]:
@@ -218,3 +223,7 @@ def test_the_two_counting_allocators_differ_on_buffers_under_256_kib():
     bfc = _last_json(_run(script, TF_CPU_ALLOCATOR_USE_BFC="true"))
     assert bfc["added"] >= 20 * 100 * 100 * 4, bfc
     assert onednn["added"] < 0.1 * bfc["added"], (onednn, bfc)
+    # What the replay of a calibrated plan takes the allocator to hold agrees with both.
+    assert (onednn["counted_from"], bfc["counted_from"]) == (256 << 10, 0)
+    both = _last_json(_run(script, TF_ENABLE_ONEDNN_OPTS="1", TF_CPU_ALLOCATOR_USE_BFC="true"))
+    assert both["added"] >= 20 * 100 * 100 * 4 and both["counted_from"] == 0, both

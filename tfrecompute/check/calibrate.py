@@ -311,7 +311,7 @@ def _measured_step(api: str, source: ProfiledModel, batch: tuple[Any, Any], n: i
         twin = compiled_like(api, model, _twin(model, functional))
         layers = list(model._flatten_layers(include_self=False, recursive=True))
         with _named_by_index(layers):
-            step, events, _ = traced_events(api, twin, *batch, warmup=1)
+            step, events, spec = traced_events(api, twin, *batch, warmup=1)
     link_of_op = _Scopes([link_of.get(id(layer), ()) for layer in layers], events).link
     kept = [0] * n
     for op, size in _forward_at_its_largest(events):
@@ -320,7 +320,8 @@ def _measured_step(api: str, source: ProfiledModel, batch: tuple[Any, Any], n: i
             kept[link] += size
     most = _most_held(events, link_of_op, n)
     record = replay.recorded(events, link_of_op)
-    resident = replay.resident_bytes([*twin.weights, *twin.optimizer.variables])
+    variables = [*twin.weights, *twin.optimizer.variables]
+    resident = replay.resident_bytes(variables, spec.device_type)
     return _Measured(kept, most, step.peak_bytes, requested_peak(events), record, resident)
 
 

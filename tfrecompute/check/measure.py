@@ -184,10 +184,10 @@ def measure_step(
     allocator's peak is reset, the step runs, and the peak above the bytes in
     use before the step is recorded. The largest of those peaks is returned.
 
-    On CPU, TensorFlow's allocator statistics leave out allocations smaller
-    than 256 KiB (measured with tensorflow 2.21) and round sizes up to its
-    bins, so use batches large enough for activations to be counted; a step
-    that recorded nothing warns.
+    On CPUs where TensorFlow runs oneDNN, its allocator's statistics leave out
+    allocations smaller than 256 KiB (measured with tensorflow 2.21), and
+    every allocator rounds sizes up to its bins, so use batches large enough
+    for activations to be counted; a step that recorded nothing warns.
 
     For a model built in a `tf.distribute` strategy's scope, Keras's
     `train_on_batch` gives every replica the whole batch `x` (`fit` splits
@@ -223,17 +223,24 @@ def measure_step(
     print(f"{m.peak_bytes / 2**20:.1f} MiB in {m.seconds * 1e3:.1f} ms")
     ```
     """
-    as_positive_int("measure_step", "steps", steps, example="steps=3")
-    x, y, spec = _prepare_step("measure_step", model, x, y, warmup=warmup, device=device)
-    measured = [_run_step("measure_step", model, x, y, spec) for _ in range(steps)]
+    return measured_step("measure_step", model, x, y, steps=steps, warmup=warmup, device=device)
+
+
+def measured_step(
+    api: str, model: Any, x: Any, y: Any, *, steps: int, warmup: int = 1, device: Any = None
+) -> StepMeasurement:
+    """`measure_step` for an API that measures a step of its own: errors name `api`."""
+    as_positive_int(api, "steps", steps, example="steps=3")
+    x, y, spec = _prepare_step(api, model, x, y, warmup=warmup, device=device)
+    measured = [_run_step(api, model, x, y, spec) for _ in range(steps)]
     device = _device_name(spec)
     peak = max(step.peak_bytes for step in measured)
     if peak <= 0:
         warnings.warn(
-            f"measure_step: the {device} allocator recorded no memory for the step of "
-            f"model {model.name!r}. TensorFlow's CPU allocator statistics leave out "
+            f"{api}: the {device} allocator recorded no memory for the step of "
+            f"model {model.name!r}. TensorFlow's oneDNN CPU allocator leaves out "
             "allocations smaller than 256 KiB; measure with a larger batch.",
-            stacklevel=2,
+            stacklevel=3,
         )
     return StepMeasurement(
         peak_bytes=peak,

@@ -62,13 +62,14 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from tfrecompute.startup import counted_from
+
 __all__ = ["STEPS", "Buffer", "recorded", "replayed_peak", "resident_bytes"]
 
 STEPS = 4  # steps replayed in a row: one as the warm-up, three as `measure_step` measures
 _MIN_CHUNK = 256  # the BFC allocator rounds every request up to a multiple of this
 _SPLIT_ABOVE = 128 << 20  # a chunk is split when the rest is at least this, whatever the request
 _FIRST_REGION = 2 << 20  # the first region under allow_growth; each new one doubles
-_TRACED_FROM = 256 << 10  # the CPU allocator's events and peak leave out smaller buffers
 _UPDATE = re.compile(r"(^|/)Assign(Add|Sub)?VariableOp(_\d+)?$")  # a variable's update
 
 
@@ -117,11 +118,13 @@ def recorded(
     return tuple(buffers)
 
 
-def resident_bytes(variables: Iterable[Any]) -> tuple[int, ...]:
-    """The bytes of each variable the allocator holds between steps, in order: those of
-    256 KiB or more (on CPU smaller ones are served outside the allocator replayed)."""
+def resident_bytes(variables: Iterable[Any], device_type: str) -> tuple[int, ...]:
+    """The bytes of each variable the allocator holds between steps, in order: those it
+    counts (oneDNN's CPU allocator serves buffers under 256 KiB outside the allocator
+    replayed, `startup.counted_from`)."""
+    smallest = counted_from(device_type)
     sizes = (int(np.prod(v.shape)) * tf.as_dtype(str(v.dtype)).size for v in variables)
-    return tuple(size for size in sizes if size >= _TRACED_FROM)
+    return tuple(size for size in sizes if size >= smallest)
 
 
 def replayed_peak(

@@ -36,7 +36,7 @@ import numpy as np
 
 from tfrecompute import strategies
 from tfrecompute._messages import fail
-from tfrecompute.check.measure import measure_step
+from tfrecompute.check.measure import measured_step
 from tfrecompute.check.twin import (
     check_compiled,
     compiled_like,
@@ -145,7 +145,7 @@ class _Planner:
         """Measures `plan`'s compiled step; the model's weights are restored afterwards."""
         with weights_restored(self.model):
             measured = compiled_like(self.api, self.model, _measured(self.model, self.apply(plan)))
-            step = measure_step(measured, self.x, self.y, steps=2)
+            step = measured_step(self.api, measured, self.x, self.y, steps=2)
             state = _bytes(measured.variables) + _bytes(measured.optimizer.variables)
         return Probe(planned, plan.peak_bytes, step.peak_bytes, plan.recompute_cost, state)
 

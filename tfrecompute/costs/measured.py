@@ -40,7 +40,7 @@ from tfrecompute._keras_internals import call_has_training_arg
 from tfrecompute._messages import cause, fail
 from tfrecompute.costs.call_memory import CallMemory, TracedStep
 from tfrecompute.graph.layer_graph import tensor_bytes, trainable_variables
-from tfrecompute.startup import COUNTING_FIX, CPU_ALLOCATOR_VARIABLE
+from tfrecompute.startup import COUNTING_FIX, CPU_ALLOCATOR_VARIABLE, bfc_cpu_allocator_asked
 
 __all__ = [
     "CallMeasurement",
@@ -114,7 +114,7 @@ def _counting_fix() -> str:
             "TensorFlow counts CPU memory where it runs with oneDNN (which it turns on by "
             f"itself on some CPUs) or with {CPU_ALLOCATOR_VARIABLE}=true: {COUNTING_FIX}"
         )
-    if value.strip().lower() in ("1", "true"):
+    if bfc_cpu_allocator_asked():
         return (
             f"{CPU_ALLOCATOR_VARIABLE}={value} was set after TensorFlow's runtime started: "
             f"{COUNTING_FIX}"
