@@ -4,6 +4,8 @@ two more, added to the same report. And the budget section from rows made here."
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks import held_out
 from tests.helpers import run_benchmark_smoke
 
@@ -53,6 +55,39 @@ def test_smoke_run_measures_each_plan_in_its_own_process(tmp_path):
     median = sum(r["measured_bytes"] for r in optimal) / 2
     assert f"| {median / optimal[0]['budget_bytes']:.0%} |" in table
     assert "- replayed (median over processes, against the measured median): within 10%" in table
+
+
+def test_the_table_reconciles_each_calibrated_prediction_with_its_replay():
+    def row(plan: str, predicted: int, replayed: int | None, measured: int) -> dict:
+        return {
+            "model": "unet",
+            "optimizer": "adam",
+            "links": 4,
+            "plan": plan,
+            "memory": "calibrated" if replayed else "traced",
+            "segments": 1,
+            "predicted_bytes": predicted * MiB,
+            "measured_bytes": measured * MiB,
+            "error": predicted / measured - 1,
+            "requested_bytes": measured * MiB,
+            "requested_error": 0.0,
+            "replayed_bytes": None if replayed is None else replayed * MiB,
+            "replayed_error": None if replayed is None else replayed / measured - 1,
+            "budget_bytes": None,
+            "planning_cpu_seconds": 1.0,
+        }
+
+    # Predicted +50%, replayed -20%: reconciled at 10% above the replay, -12%.
+    rows = [row("sqrt", 150, 80, 100), row("none", 95, 100, 100), row("sqrt", 130, None, 100)]
+    assert held_out._reconciled_error(rows[0]) == pytest.approx(-0.12)
+    table = held_out._markdown(rows, [], [])
+    assert "| 80.0 | -20% | -12% | - | 1.0 |" in table  # replayed, its error, reconciled
+    assert "| 100.0 | +0% | +0% | - | 1.0 |" in table  # below the replay: the replay
+    assert "| - | - | - | - | 1.0 |" in table  # traced: nothing to reconcile
+    assert (
+        "was chosen on these runs): within 10% of the allocator 1 of 2 plans; within 25% 2; "
+        "the largest error 12%." in table
+    )
 
 
 def test_the_budget_section_says_where_the_next_plan_up_stood():

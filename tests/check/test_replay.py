@@ -111,8 +111,16 @@ def test_a_plan_replayed_from_a_calibration_follows_its_traced_step():
     assert requested * 0.8 <= stored.replayed_peak_bytes <= requested * 1.5
     plan = tfrecompute.plan(model, "sqrt", sample=sample, calibrate=True)
     replayed = plan.replayed_peak_bytes
-    assert tfrecompute.plan(model, "sqrt", sample=sample).replayed_peak_bytes is None
+    traced = tfrecompute.plan(model, "sqrt", sample=sample)
+    assert traced.replayed_peak_bytes is None
+    assert traced.reconciled_peak_bytes == traced.peak_bytes
     assert "this plan's step replayed through the allocator: " in plan.summary()
+    # The chain's prediction, kept between the replay and 10% above it (NOTE [ Reconciling
+    # a prediction with its replay ]).
+    reconciled = plan.reconciled_peak_bytes
+    assert reconciled == min(max(plan.peak_bytes, replayed), int(1.1 * replayed))
+    printed = strategies.format_bytes(reconciled)
+    assert f"reconciled with the replay (reconciled_peak_bytes): {printed}" in plan.summary()
     assert replayed < 0.75 * stored.replayed_peak_bytes
     # The default plan is the one of the least replayed peak, at most the chain's least
     # peak's and sqrt's (NOTE [ The least peak of a calibrated chain ]).

@@ -16,7 +16,7 @@ called in a loop has a scope per call). Then:
 1. What each link keeps for its backward: its forward buffers at the
    moment the forward's buffers are largest (the end of the forward). A
    link measured keeping more than its `saved_bytes` gets the measured
-   bytes; never less (the CPU allocator's events leave out allocations
+   bytes; never less (oneDNN's CPU allocator's events leave out allocations
    under 256 KiB, so a link measured keeping less may hold buffers the
    trace does not show).
 2. What each link holds at once: the most its forward and gradient buffers
@@ -164,6 +164,10 @@ class Calibration:
             lines.append(
                 f"  this plan's step replayed through the allocator: {fmt(replayed)} "
                 "(its buffers as the allocator rounds them)"
+            )
+            lines.append(
+                "  the prediction reconciled with the replay (reconciled_peak_bytes): "
+                f"{fmt(strategies.reconciled_peak(plan.peak_bytes, replayed))}"
             )
         return "\n".join(lines)
 

@@ -499,7 +499,8 @@ def traced_events(
     device = _device_name(spec)
     if not events:
         hint = (
-            "TensorFlow's CPU allocator traces allocations of 256 KiB or more; trace a larger batch"
+            "TensorFlow's oneDNN CPU allocator traces allocations of 256 KiB or more; trace a "
+            "larger batch"
             if spec.device_type == "CPU"
             else "The GPU allocator must be TensorFlow's BFC allocator (TF_GPU_ALLOCATOR "
             "unset); cuda_malloc_async records no such events"

@@ -19,7 +19,7 @@ chain counts elsewhere (`Chain.output_bytes`, `input_grad_bytes`, the weight
 gradients). What the peak holds above those and the activations the
 call keeps (`CallMemory.kept_bytes`) is memory the backward needs on top:
 the workspace. A measured workspace never lowers the one read from the
-graph (the CPU allocator's statistics leave out allocations under 256 KiB).
+graph (oneDNN's CPU allocator's statistics leave out allocations under 256 KiB).
 The layer's non-trainable state (BatchNorm statistics, seed generators)
 is restored after the run.
 """

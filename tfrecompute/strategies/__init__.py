@@ -29,7 +29,7 @@ from tfrecompute.strategies.basic import heuristic, none, sqrt, uniform
 from tfrecompute.strategies.chain import Chain
 from tfrecompute.strategies.headroom import CALIBRATED_HEADROOM, DEFAULT_HEADROOM, plan_within
 from tfrecompute.strategies.optimize import DEFAULT_MAX_WORK, frontier, min_peak, optimal
-from tfrecompute.strategies.plan import Budget, Plan, Strategy
+from tfrecompute.strategies.plan import REPLAY_MARGIN, Budget, Plan, Strategy, reconciled_peak
 from tfrecompute.strategies.registry import available, get
 from tfrecompute.strategies.simulate import Estimate, MemoryEvent, simulate, timeline
 from tfrecompute.strategies.units import format_bytes, format_size, parse_budget
@@ -38,6 +38,7 @@ __all__ = [
     "CALIBRATED_HEADROOM",
     "DEFAULT_HEADROOM",
     "DEFAULT_MAX_WORK",
+    "REPLAY_MARGIN",
     "Budget",
     "Chain",
     "Estimate",
@@ -56,6 +57,7 @@ __all__ = [
     "optimal",
     "parse_budget",
     "plan_within",
+    "reconciled_peak",
     "simulate",
     "sqrt",
     "timeline",
