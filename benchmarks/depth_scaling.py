@@ -8,7 +8,7 @@ Usage:
 The model is a `keras.Sequential` of L `Dense(width, activation="tanh")`
 layers on a `width`-wide input (full run: L = 8, 16, 32, 64, 128, width 256,
 batch 1024, so every activation is 1 MiB, well above the 256 KiB under which
-TensorFlow's CPU allocator statistics record nothing; smoke: width 128, batch
+TensorFlow's oneDNN CPU allocator statistics record nothing; smoke: width 128, batch
 1024, 512 KiB activations). For each L three plans are made with
 `tfrecompute.plan` from the profiled chain at that batch size:
 

@@ -59,6 +59,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # for `benchmarks._report`
 
 from benchmarks import _report  # noqa: E402
+from tfrecompute.strategies import REPLAY_MARGIN, reconciled_peak  # noqa: E402
 
 NAME = "held_out"
 PLANS = ("none", "default", "sqrt", "optimal")
@@ -133,7 +134,7 @@ def _application(name: str, batch: int = 16) -> Built:
 def _recurrent(name: str, batch: int = 256, sequence: int = 32, units: int = 512) -> Built:
     """A stacked GRU language model or a bidirectional LSTM tagger.
 
-    Sized so that each time step's tensors are 256 KiB or more: TensorFlow's
+    Sized so that each time step's tensors are 256 KiB or more: oneDNN's
     CPU allocator statistics leave smaller allocations out, and a loop's
     per-step accumulators at batch 64 with 256 units (64 KiB each) measured
     nothing of what the backward keeps (storing everything: predicted 50.7
@@ -425,19 +426,54 @@ def _spread_summary(groups: dict[tuple[str, str], list[dict[str, Any]]]) -> list
         if replayed is not None:
             errors["replayed"].append(replayed / max(median, 1) - 1)
             reconciled = statistics.median(
-                _reconciled(r["predicted_bytes"], r["replayed_bytes"])
+                reconciled_peak(r["predicted_bytes"], r["replayed_bytes"])
                 for r in rows
                 if r.get("replayed_bytes") is not None
             )
             errors["reconciled"].append(reconciled / max(median, 1) - 1)
     lines = [
-        f"- {kind} (median over processes, against the measured median): within 10% "
-        f"{sum(abs(e) <= 0.1 for e in found)} of {len(found)} plans; within 25% "
-        f"{sum(abs(e) <= 0.25 for e in found)}; the largest error {max(map(abs, found)):.0%}."
+        _accuracy(f"{kind} (median over processes, against the measured median)", "", found)
         for kind, found in errors.items()
         if found
     ]
     return [*lines, ""] if lines else []
+
+
+def _accuracy(label: str, against: str, errors: Sequence[float]) -> str:
+    """A summary line: how many of `errors` are within 10% and 25%, and the largest."""
+    sizes = [abs(e) for e in errors]
+    return (
+        f"- {label}: within 10%{against} {sum(e <= 0.10 for e in sizes)} of {len(sizes)} "
+        f"plans; within 25% {sum(e <= 0.25 for e in sizes)}; the largest error "
+        f"{max(sizes, default=0):.0%}."
+    )
+
+
+def _accuracy_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The table's summary: each way of predicting against the allocator's peak."""
+    allocator = " of the allocator"
+    by_memory = {m: [r["error"] for r in rows if r.get("memory", "traced") == m] for m in MEMORY}
+    lines = [_accuracy(memory, allocator, errors) for memory, errors in by_memory.items()]
+    replayed = [r for r in rows if r.get("replayed_bytes") is not None]
+    if replayed:
+        lines.append(
+            _accuracy(
+                "replayed (a calibrated plan's step replayed through the allocator, "
+                "`Plan.replayed_peak_bytes`)",
+                allocator,
+                [r["replayed_error"] for r in replayed],
+            )
+        )
+        lines.append(
+            _accuracy(
+                "reconciled (`Plan.reconciled_peak_bytes`: the calibrated prediction kept "
+                f"between the replay and {REPLAY_MARGIN:.0%} above it, computed from the two "
+                "columns; the margin was chosen on these runs)",
+                allocator,
+                [_reconciled_error(r) for r in replayed],
+            )
+        )
+    return lines
 
 
 def _spread_order(key: tuple[str, str]) -> tuple[int, int]:
@@ -451,6 +487,7 @@ def _markdown(
     failed: list[dict[str, Any]],
     spread: Sequence[dict[str, Any]] = (),
 ) -> str:
+    """The Markdown report of every row, run, failure and spread measurement."""
     lines = [
         "# Predictions on held-out models",
         "",
@@ -467,29 +504,7 @@ def _markdown(
         "0.1 calibrated).",
         "",
     ]
-    for memory in MEMORY:
-        errors = [abs(r["error"]) for r in rows if r.get("memory", "traced") == memory]
-        lines.append(
-            f"- {memory}: within 10% of the allocator {sum(e <= 0.10 for e in errors)} of "
-            f"{len(errors)} plans; within 25% {sum(e <= 0.25 for e in errors)}; the largest "
-            f"error {max(errors, default=0):.0%}."
-        )
-    replayed = [abs(r["replayed_error"]) for r in rows if r.get("replayed_error") is not None]
-    if replayed:
-        lines.append(
-            f"- replayed (a calibrated plan's step replayed through the allocator, "
-            f"`Plan.replayed_peak_bytes`): within 10% of the allocator "
-            f"{sum(e <= 0.10 for e in replayed)} of {len(replayed)} plans; within 25% "
-            f"{sum(e <= 0.25 for e in replayed)}; the largest error {max(replayed):.0%}."
-        )
-        reconciled = [abs(_reconciled_error(r)) for r in rows if r.get("replayed_bytes")]
-        lines.append(
-            f"- reconciled (`Plan.reconciled_peak_bytes`: the calibrated prediction kept between "
-            f"the replay and {_margin():.0%} above it, computed from the two columns; the margin "
-            f"was chosen on these runs): within 10% of the allocator "
-            f"{sum(e <= 0.10 for e in reconciled)} of {len(reconciled)} plans; within 25% "
-            f"{sum(e <= 0.25 for e in reconciled)}; the largest error {max(reconciled):.0%}."
-        )
+    lines += _accuracy_lines(rows)
     lines += [
         "",
         "| model | optimizer | links | plan | memory | segments | predicted MiB | measured MiB "
@@ -535,22 +550,9 @@ def _row(r: dict[str, Any]) -> str:
     )
 
 
-def _reconciled(predicted: float, replayed: float) -> float:
-    """`Plan.reconciled_peak_bytes` of a plan predicted and replayed so."""
-    from tfrecompute.strategies.plan import reconciled_peak  # imports TensorFlow
-
-    return reconciled_peak(int(predicted), int(replayed))
-
-
-def _margin() -> float:
-    from tfrecompute.strategies.plan import REPLAY_MARGIN
-
-    return REPLAY_MARGIN
-
-
 def _reconciled_error(r: dict[str, Any]) -> float:
     """A replayed row's reconciled prediction against its measured peak, minus one."""
-    reconciled = _reconciled(r["predicted_bytes"], r["replayed_bytes"])
+    reconciled = reconciled_peak(r["predicted_bytes"], r["replayed_bytes"])
     return reconciled / max(r["measured_bytes"], 1) - 1
 
 

@@ -65,7 +65,7 @@ KERAS_MODES = ("full", "activations", "larger_than", "list_of_layers")
 SEED = 0
 ROUNDS = {"full": 9, "smoke": 3}  # timed train steps per variant, the variants in turn
 
-# Sizes: activations must stay >= 256 KiB, the CPU allocator statistics skip
+# Sizes: activations must stay >= 256 KiB, oneDNN's CPU allocator statistics skip
 # smaller allocations.
 CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     "full": {

@@ -48,14 +48,12 @@ __all__ = [
     "CPU_ALLOCATOR_VARIABLE",
     "bfc_cpu_allocator_asked",
     "count_cpu_memory",
-    "counted_from",
     "quiet_tensorflow",
 ]
 
 CPU_ALLOCATOR_VARIABLE = "TF_CPU_ALLOCATOR_USE_BFC"  # TensorFlow's switch to its BFC CPU allocator
 _BFC_LIMIT_VARIABLE = "TF_CPU_BFC_MEM_LIMIT_IN_MB"  # the BFC CPU allocator's cap
 _BFC_DEFAULT_LIMIT_MIB = 1 << 16  # TensorFlow's default cap: 64 GiB
-_ONEDNN_COUNTS_FROM = 256 << 10  # oneDNN's CPU allocator serves smaller requests uncounted
 COUNTING_FIX = (  # how to have a counting CPU allocator, as every error about it says
     "call tfrecompute.count_cpu_memory() before building a model, or start Python with "
     f"{CPU_ALLOCATOR_VARIABLE}=true in the environment"
@@ -105,17 +103,6 @@ def bfc_cpu_allocator_asked() -> bool:
     """Whether the environment asks TensorFlow for its BFC CPU allocator (which it obeys
     when its runtime starts, oneDNN or not)."""
     return os.environ.get(CPU_ALLOCATOR_VARIABLE, "").strip().lower() in ("1", "true")
-
-
-def counted_from(device_type: str) -> int:
-    """The smallest buffer the allocator of a `device_type` device ("CPU", "GPU") counts
-    in this process: 256 KiB for oneDNN's CPU allocator (tensorflow 2.21), else every
-    buffer. Imports TensorFlow."""
-    from tfrecompute._keras_internals import onednn_enabled
-
-    if device_type.upper() != "CPU" or bfc_cpu_allocator_asked() or not onednn_enabled():
-        return 0
-    return _ONEDNN_COUNTS_FROM
 
 
 def _physical_mib() -> int | None:

@@ -90,6 +90,30 @@ def test_the_table_reconciles_each_calibrated_prediction_with_its_replay():
     )
 
 
+def test_the_spread_summary_reconciles_each_process_then_takes_the_median():
+    def row(predicted: int, replayed: int, measured: int) -> dict:
+        return {
+            "model": "unet",
+            "plan": "sqrt",
+            "predicted_bytes": predicted * MiB,
+            "replayed_bytes": replayed * MiB,
+            "measured_bytes": measured * MiB,
+        }
+
+    # Reconciled 88, 110 and 104 MiB: median 104, +4% (reconciling the medians, 120 and
+    # 100, would give 110, +10%).
+    groups = {("unet", "sqrt"): [row(150, 80, 98), row(120, 100, 100), row(104, 100, 102)]}
+    assert held_out._spread_summary(groups) == [
+        "- calibrated (median over processes, against the measured median): within 10% 0 of "
+        "1 plans; within 25% 1; the largest error 20%.",
+        "- replayed (median over processes, against the measured median): within 10% 1 of 1 "
+        "plans; within 25% 1; the largest error 0%.",
+        "- reconciled (median over processes, against the measured median): within 10% 1 of "
+        "1 plans; within 25% 1; the largest error 4%.",
+        "",
+    ]
+
+
 def test_the_budget_section_says_where_the_next_plan_up_stood():
     def row(model: str, measured: int, next_up: int | None) -> dict:
         return {

@@ -146,7 +146,6 @@ def test_count_cpu_memory_leaves_a_process_with_onednn_as_it_is():
         "import tfrecompute\n"
         "tfrecompute.count_cpu_memory()\n"
         "from tfrecompute._keras_internals import onednn_enabled\n"
-        "from tfrecompute.startup import counted_from\n"
         "print(json.dumps({'set': os.environ.get('TF_CPU_ALLOCATOR_USE_BFC'),\n"
         "                  'onednn': onednn_enabled()}))\n"
     )
@@ -209,13 +208,13 @@ def test_the_two_counting_allocators_differ_on_buffers_under_256_kib():
         "import json\n"
         "import tensorflow as tf\n"
         "from tfrecompute._keras_internals import onednn_enabled\n"
-        "from tfrecompute.startup import counted_from\n"
+        "from tfrecompute.costs.measured import counted_from\n"
         "large = tf.ones([1024, 1024])\n"
         "before = tf.config.experimental.get_memory_info('CPU:0')['current']\n"
         "small = [tf.ones([100, 100]) + i for i in range(20)]\n"  # 40 KB each
         "added = tf.config.experimental.get_memory_info('CPU:0')['current'] - before\n"
         "print(json.dumps({'added': added, 'onednn': onednn_enabled(), "
-        "'counted_from': counted_from('CPU')}))\n"
+        "'counted_from': counted_from('test', 'CPU:0')}))\n"
     )
     onednn = _last_json(_run(script, TF_ENABLE_ONEDNN_OPTS="1"))
     if not onednn["onednn"]:
@@ -223,7 +222,7 @@ def test_the_two_counting_allocators_differ_on_buffers_under_256_kib():
     bfc = _last_json(_run(script, TF_CPU_ALLOCATOR_USE_BFC="true"))
     assert bfc["added"] >= 20 * 100 * 100 * 4, bfc
     assert onednn["added"] < 0.1 * bfc["added"], (onednn, bfc)
-    # What the replay of a calibrated plan takes the allocator to hold agrees with both.
+    # What the replay of a calibrated plan takes the allocator to count, asked of it.
     assert (onednn["counted_from"], bfc["counted_from"]) == (256 << 10, 0)
     both = _last_json(_run(script, TF_ENABLE_ONEDNN_OPTS="1", TF_CPU_ALLOCATOR_USE_BFC="true"))
     assert both["added"] >= 20 * 100 * 100 * 4 and both["counted_from"] == 0, both

@@ -303,3 +303,24 @@ def test_a_calibrated_chains_least_peak_is_the_plan_of_the_least_replayed_peak()
     unreplayable = calibrated({}, least.segments)
     assert plan_within("plan", optimal, unreplayable, None, None).segments == least.segments
     assert plan_within("plan", sqrt, calibrated({least.segments: 0}), None, None) == root
+
+
+def test_a_calibrated_plans_prediction_is_kept_between_its_replay_and_the_margin_above():
+    from tfrecompute.strategies import REPLAY_MARGIN, Plan
+
+    chain = Chain.homogeneous(8, activation_bytes=1000)
+    plan = Plan.from_segments(chain, [(0, 4)])
+    assert plan.reconciled_peak_bytes == plan.peak_bytes  # not calibrated: no replay
+    peak = plan.peak_bytes
+
+    def reconciled(replays: _Replays) -> int:
+        calibrated = dataclasses.replace(chain, calibration=replays)
+        return Plan.from_segments(calibrated, [(0, 4)]).reconciled_peak_bytes
+
+    def replayed_at(replayed: int) -> _Replays:
+        return _Replays({((0, 4),): replayed})
+
+    assert reconciled(_Replays({}, unreplayable=((0, 4),))) == peak  # no replay
+    assert reconciled(replayed_at(peak // 2)) == int(peak // 2 * (1 + REPLAY_MARGIN))
+    assert reconciled(replayed_at(peak + 10)) == peak + 10  # never below the replay
+    assert reconciled(replayed_at(peak - 10)) == peak  # within the margin: the chain's own

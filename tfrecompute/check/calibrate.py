@@ -62,6 +62,7 @@ from tfrecompute._messages import fail
 from tfrecompute.check import replay
 from tfrecompute.check.measure import requested_peak, traced_events
 from tfrecompute.check.twin import compiled_like, functional_twin, labelled, weights_restored
+from tfrecompute.costs.measured import counted_from
 from tfrecompute.costs.profile import ProfiledModel
 from tfrecompute.graph.trace import as_defined
 
@@ -325,7 +326,8 @@ def _measured_step(api: str, source: ProfiledModel, batch: tuple[Any, Any], n: i
     most = _most_held(events, link_of_op, n)
     record = replay.recorded(events, link_of_op)
     variables = [*twin.weights, *twin.optimizer.variables]
-    resident = replay.resident_bytes(variables, spec.device_type)
+    smallest = counted_from(api, f"{spec.device_type}:{spec.device_index}")
+    resident = replay.resident_bytes(variables, smallest)
     return _Measured(kept, most, step.peak_bytes, requested_peak(events), record, resident)
 
 

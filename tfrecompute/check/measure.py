@@ -37,7 +37,7 @@ import tensorflow as tf
 
 from tfrecompute._keras_internals import xplane_pb2
 from tfrecompute._messages import as_positive_int, fail, received
-from tfrecompute.costs.measured import memory_info
+from tfrecompute.costs.measured import counted_from, memory_info
 from tfrecompute.strategies import format_bytes
 
 __all__ = [
@@ -236,10 +236,14 @@ def measured_step(
     device = _device_name(spec)
     peak = max(step.peak_bytes for step in measured)
     if peak <= 0:
+        why = (
+            "TensorFlow's oneDNN CPU allocator leaves out allocations smaller than 256 KiB"
+            if counted_from(api, device)
+            else "its tensors may be too few or too small to show"
+        )
         warnings.warn(
             f"{api}: the {device} allocator recorded no memory for the step of "
-            f"model {model.name!r}. TensorFlow's oneDNN CPU allocator leaves out "
-            "allocations smaller than 256 KiB; measure with a larger batch.",
+            f"model {model.name!r}. {why}; measure with a larger batch.",
             stacklevel=3,
         )
     return StepMeasurement(
@@ -498,13 +502,18 @@ def traced_events(
         events = _memory_events(logdir, spec)
     device = _device_name(spec)
     if not events:
-        hint = (
-            "TensorFlow's oneDNN CPU allocator traces allocations of 256 KiB or more; trace a "
-            "larger batch"
-            if spec.device_type == "CPU"
-            else "The GPU allocator must be TensorFlow's BFC allocator (TF_GPU_ALLOCATOR "
-            "unset); cuda_malloc_async records no such events"
-        )
+        if spec.device_type != "CPU":
+            hint = (
+                "The GPU allocator must be TensorFlow's BFC allocator (TF_GPU_ALLOCATOR "
+                "unset); cuda_malloc_async records no such events"
+            )
+        elif counted_from(api, device):
+            hint = (
+                "TensorFlow's oneDNN CPU allocator traces allocations of 256 KiB or more; "
+                "trace a larger batch"
+            )
+        else:
+            hint = "Trace a larger batch"
         fail(
             api,
             f"the profiler recorded no allocation on {device}",

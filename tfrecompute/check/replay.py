@@ -62,8 +62,6 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tfrecompute.startup import counted_from
-
 __all__ = ["STEPS", "Buffer", "recorded", "replayed_peak", "resident_bytes"]
 
 STEPS = 4  # steps replayed in a row: one as the warm-up, three as `measure_step` measures
@@ -118,11 +116,10 @@ def recorded(
     return tuple(buffers)
 
 
-def resident_bytes(variables: Iterable[Any], device_type: str) -> tuple[int, ...]:
-    """The bytes of each variable the allocator holds between steps, in order: those it
-    counts (oneDNN's CPU allocator serves buffers under 256 KiB outside the allocator
-    replayed, `startup.counted_from`)."""
-    smallest = counted_from(device_type)
+def resident_bytes(variables: Iterable[Any], smallest: int) -> tuple[int, ...]:
+    """The bytes of each variable the allocator holds between steps, in order: those of
+    `smallest` bytes or more, which it counts (`costs.measured.counted_from`: oneDNN's CPU
+    allocator serves buffers under 256 KiB outside the allocator replayed)."""
     sizes = (int(np.prod(v.shape)) * tf.as_dtype(str(v.dtype)).size for v in variables)
     return tuple(size for size in sizes if size >= smallest)
 

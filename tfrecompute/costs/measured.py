@@ -43,8 +43,10 @@ from tfrecompute.graph.layer_graph import tensor_bytes, trainable_variables
 from tfrecompute.startup import COUNTING_FIX, CPU_ALLOCATOR_VARIABLE, bfc_cpu_allocator_asked
 
 __all__ = [
+    "ONEDNN_COUNTS_FROM",
     "CallMeasurement",
     "corrected",
+    "counted_from",
     "measure_call",
     "measurement_device",
     "memory_info",
@@ -104,6 +106,34 @@ def memory_info(api: str, device: str) -> dict[str, int]:
             fix,
             error=RuntimeError,
         )
+
+
+# NOTE [ The smallest buffer an allocator counts ]
+# oneDNN's CPU allocator serves requests under 256 KiB from a pool outside its statistics
+# (tests/check/test_cpu_allocator.py); TensorFlow's BFC allocator, on a GPU or on a CPU
+# with TF_CPU_ALLOCATOR_USE_BFC=true (which wins over oneDNN), counts every one. Which
+# allocator a process has is fixed when TensorFlow's runtime starts, so `counted_from`
+# asks the allocator itself once: it allocates a 4 KiB tensor and sees whether the
+# count moves.
+ONEDNN_COUNTS_FROM = 256 << 10
+_counted_from: dict[str, int] = {}
+
+
+def counted_from(api: str, device: str) -> int:
+    """The smallest buffer `device`'s allocator counts in this process: 256 KiB for
+    oneDNN's CPU allocator, else 0 (NOTE [ The smallest buffer an allocator counts ]).
+
+    Raises:
+        RuntimeError: the allocator keeps no statistics (see `memory_info`).
+    """
+    if device not in _counted_from:
+        with tf.device(device):
+            before = memory_info(api, device)["current"]
+            small = tf.fill([1024], 1.0)  # 4 KiB, made now
+            moved = memory_info(api, device)["current"] > before
+            del small
+        _counted_from[device] = 0 if moved else ONEDNN_COUNTS_FROM
+    return _counted_from[device]
 
 
 def _counting_fix() -> str:

@@ -8,7 +8,8 @@ Its modules, each importing only those above it:
 * `units`: `parse_budget` ("512MiB" to bytes), `format_bytes`.
 * `chain`: `Chain`, per-link bytes and costs: all the planner sees.
 * `simulate`: the memory model, `simulate`/`timeline`, which predicts a plan's peak.
-* `plan`: `Plan`, which links to recompute, with its peak and cost.
+* `plan`: `Plan`, which links to recompute, with its peak and cost;
+  `reconciled_peak`, a calibrated prediction kept near its replay.
 * `basic`: the strategies `none`, `uniform(k)`, `sqrt`, `heuristic`, plain
   callables `(chain, budget=None) -> Plan`.
 * `optimize`: `optimal`, `frontier` (the Pareto set of peak and cost) and
