@@ -54,6 +54,15 @@ def _run(script: str, *args: str, **extra: str) -> subprocess.CompletedProcess[s
     )
 
 
+def _with_onednn(script: str) -> dict:
+    """`script`'s last JSON line, run with oneDNN on; the test skips on builds without it
+    (the script's JSON says so under "onednn")."""
+    found = _last_json(_run(script, TF_ENABLE_ONEDNN_OPTS="1"))
+    if not found["onednn"]:
+        pytest.skip("this TensorFlow build has no oneDNN")
+    return found
+
+
 def _last_json(result: subprocess.CompletedProcess[str]) -> dict:
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -149,10 +158,7 @@ def test_count_cpu_memory_leaves_a_process_with_onednn_as_it_is():
         "print(json.dumps({'set': os.environ.get('TF_CPU_ALLOCATOR_USE_BFC'),\n"
         "                  'onednn': onednn_enabled()}))\n"
     )
-    with_onednn = _last_json(_run(script, TF_ENABLE_ONEDNN_OPTS="1"))
-    if not with_onednn["onednn"]:
-        pytest.skip("this TensorFlow build has no oneDNN")
-    assert with_onednn == {"set": None, "onednn": True}
+    assert _with_onednn(script) == {"set": None, "onednn": True}
     assert _last_json(_run(script)) == {"set": "true", "onednn": False}
 
 
@@ -216,9 +222,7 @@ def test_the_two_counting_allocators_differ_on_buffers_under_256_kib():
         "print(json.dumps({'added': added, 'onednn': onednn_enabled(), "
         "'counted_from': counted_from('test', 'CPU:0')}))\n"
     )
-    onednn = _last_json(_run(script, TF_ENABLE_ONEDNN_OPTS="1"))
-    if not onednn["onednn"]:
-        pytest.skip("this TensorFlow build has no oneDNN")
+    onednn = _with_onednn(script)
     bfc = _last_json(_run(script, TF_CPU_ALLOCATOR_USE_BFC="true"))
     assert bfc["added"] >= 20 * 100 * 100 * 4, bfc
     assert onednn["added"] < 0.1 * bfc["added"], (onednn, bfc)
