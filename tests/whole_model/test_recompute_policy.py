@@ -14,7 +14,9 @@ from tests import any_models, models_zoo
 from tests.helpers import MODES, applied_blocks, as_defined, assert_same_training
 from tests.test_errors import CONVENTION, _own_message
 from tests.whole_model.test_recompute import _same_training
+from tfrecompute import strategies
 from tfrecompute.layers.in_place import checkpointed_in_place
+from tfrecompute.rewrite.apply import block_policies
 
 _blocks = applied_blocks
 
@@ -94,11 +96,26 @@ def test_recompute_applies_the_plans_selective_segments():
     policies = [b.policy for b in _blocks(model)]
     assert policies == ["dots" if s else None for s in chosen.selective]
     assert "selective" in chosen.summary()
-    with pytest.raises(ValueError, match="no policy is given") as info:
-        tfrecompute.recompute(model, chosen)
-    assert CONVENTION.match(_own_message(info.value))
     ids = tf.constant(np.random.default_rng(0).integers(0, 100, (2, 32)).astype("int32"))
     _same_training(model, [ids], "function")
+
+
+def test_a_plan_weighing_policies_is_applied_with_the_policies_it_was_made_with():
+    keras.utils.set_random_seed(0)
+    model = models_zoo.transformer_encoder(layers=2, sequence=32, hidden=16, heads=2)
+    chain = tfrecompute.profile(model, batch_size=8, policy=["attention", "dots"])
+    chosen = next(p for p in tfrecompute.strategies.frontier(chain) if 2 in p.selective)
+    tfrecompute.recompute(model, chosen)  # no policy: the chain's own, by state
+    names = {0: None, 1: "attention", 2: "dots"}
+    assert [b.policy for b in _blocks(model)] == [names[s] for s in chosen.selective]
+    # A chain built by hand records no policy: the plan cannot say which to run.
+    bare = strategies.Chain(
+        1, [1] * 2, [4] * 2, [2.0] * 2, policy_kept_bytes=[1, 1], policy_forward_cost=[1.0] * 2
+    )
+    plan = strategies.Plan.from_segments(bare, [(0, 2)], selective=[1])
+    with pytest.raises(ValueError, match="no policy is given") as info:
+        block_policies("recompute", plan, None)
+    assert CONVENTION.match(_own_message(info.value))
 
 
 @pytest.mark.parametrize("policy", ["dots", "attention"])

@@ -75,11 +75,15 @@ class ProfiledModel:
         graph: the model's layer graph.
         links: link `k` is the calls `links[k][0]` up to (not including) `links[k][1]`.
         batch_size: the batch size the chain's bytes are for.
+        policies: the recompute policies the chain's policy states are for, in
+            order (`Chain.policy_states`); () without any. A plan weighing them
+            is applied with these when `recompute` is given none.
     """
 
     graph: LayerGraph
     links: tuple[tuple[int, int], ...]
     batch_size: int
+    policies: tuple[Any, ...] = ()
 
     def call_segments(self, segments: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
         """Segments of links as ranges of the graph's calls."""
@@ -264,7 +268,7 @@ def _profile_graph(
         policy_forward_cost=first[1],
         more_policies=states[1:],
         policy_names=[policy_label(each) for each in policies],
-        source=ProfiledModel(graph, tuple(links), batch_size),
+        source=ProfiledModel(graph, tuple(links), batch_size, policies),
     )
 
 

@@ -133,9 +133,13 @@ def block_policies(api: str, plan: strategies.Plan, policy: Any) -> list[Any]:
     costs) says per segment (`Plan.selective`: state `k` is the `k`-th
     policy of `policy`, a list when there are several); any other plan's
     blocks all get `policy`: the user chose the segments and asked for one.
+    Without `policy`, a weighed plan's segments get the policies its chain was
+    profiled with (`ProfiledModel.policies`), which a chain built by hand lacks.
     """
     given = planned_policies(api, policy)
     weighed = bool(plan.selective) or (plan.chain.has_policy and plan.strategy == "optimal")
+    if weighed and not given:
+        given = tuple(getattr(plan.chain.source, "policies", ()))
     if not weighed:
         if len(given) > 1:
             fail(
@@ -151,7 +155,8 @@ def block_policies(api: str, plan: strategies.Plan, policy: Any) -> list[Any]:
     if not given:
         fail(
             api,
-            "the plan recomputes segments under a recompute policy, but no policy is given",
+            "the plan recomputes segments under a recompute policy, but no policy is given "
+            "and its chain does not record one (it was not profiled from a model)",
             "policy",
             policy,
             f"Pass the policy the plan was made with, e.g. {api}(model, plan, policy='dots')",
