@@ -34,6 +34,7 @@ from tfrecompute.pipeline import (
     check_options,
     left_as_it_was,
     nothing_applied,
+    weighed_policy,
 )
 from tfrecompute.strategies.headroom import headroom_of
 from tfrecompute.strategies.plan import chain_budget
@@ -81,6 +82,7 @@ def _resolve_plan(
         check_compiled(api, model)
     # Without a batch size or a sample the bytes are those of one sample: the
     # proportions, which is all a budget-free strategy needs.
+    policy = weighed_policy(model, options["policy"], chosen, budgeted=budget is not None)
     chain = chain_of(
         api,
         model,
@@ -88,7 +90,7 @@ def _resolve_plan(
         batch_size,
         depth=options["depth"],
         where=options["where"],
-        policy=options["policy"],
+        policy=policy,
     )
     if options["calibrate"]:
         chain = calibrated(api, chain, sample)
@@ -454,8 +456,11 @@ def plan(
             against storing and recomputing whole (`Plan.selective`; other
             strategies plan two states). A list (e.g. `["attention",
             "dots"]`) gives `optimal` one state per policy to choose from
-            per segment. Pass the same policy to `recompute(model, plan,
-            policy=...)`.
+            per segment. None: with a budget, `optimal` on a model holding
+            attention layers weighs `["attention", "dots"]` (NOTE [ Policy
+            states under a budget ] in `tfrecompute.pipeline`), else
+            segments are recomputed whole; "nothing": whole segments only.
+            `recompute(model, plan)` applies the plan with its policies.
     Returns:
         The `Plan`; `plan.summary()` names the calls of each segment and gives
         the predicted peak and recompute cost. `recompute(model, plan)`
@@ -532,8 +537,11 @@ def recompute(
     Args:
         model: a built Keras model: Sequential, Functional or subclassed.{shared}
         policy: the recompute policy of the blocks (see `RecomputeBlock`):
-            None or "nothing" (recompute all), "dots" (keep the products with
-            a weight), or a function of a `tfrecompute.layers.OpInfo`. With
+            "nothing" (recompute all), "dots" (keep the products with a
+            weight), or a function of a `tfrecompute.layers.OpInfo`; None
+            recomputes all, except that with a budget `optimal` on a model
+            holding attention layers weighs `["attention", "dots"]` (NOTE
+            [ Policy states under a budget ] in `tfrecompute.pipeline`). With
             `optimal` (the default) the planner weighs it per segment against
             recomputing whole (`Plan.selective`); with any other strategy
             every block gets it. "attention" alone (no strategy, budget,

@@ -16,6 +16,7 @@ from tests.test_errors import CONVENTION, _own_message
 from tests.whole_model.test_recompute import _same_training
 from tfrecompute import strategies
 from tfrecompute.layers.in_place import checkpointed_in_place
+from tfrecompute.pipeline import weighed_policy
 from tfrecompute.rewrite.apply import block_policies
 
 _blocks = applied_blocks
@@ -274,3 +275,58 @@ def test_the_command_line_plans_with_two_policies(tmp_path, capsys):
     assert "selective" in capsys.readouterr().out
     assert main(["profile", path, "--batch-size", "8", "--policy", "attention,everything"]) == 2
     assert "unknown policy 'everything'" in capsys.readouterr().err
+
+
+def _between_whole_steps(model, batch_size):
+    """A budget no plan of whole segments fills: a plan with policy states predicted strictly
+    between two plans of whole segments; the budget and those two peaks."""
+    whole = sorted({p.peak_bytes for p in tfrecompute.strategies.frontier(
+        tfrecompute.profile(model, batch_size=batch_size))})  # fmt: skip
+    mixed = tfrecompute.profile(model, batch_size=batch_size, policy=["attention", "dots"])
+    for point in tfrecompute.strategies.frontier(mixed):
+        below = [peak for peak in whole if peak < point.peak_bytes]
+        if below and point.peak_bytes not in whole and point.peak_bytes < whole[-1]:
+            return point.peak_bytes, below[-1]
+    raise AssertionError("no policy plan between two whole-segment plans")
+
+
+def test_a_budget_on_a_model_with_attention_weighs_the_attention_and_dots_states():
+    keras.utils.set_random_seed(0)
+    model = models_zoo.transformer_encoder(layers=2, sequence=32, hidden=16, heads=2)
+    model.compile(optimizer="sgd", loss="mse")
+    budget, whole_below = _between_whole_steps(model, 8)
+    options = {"budget": budget, "batch_size": 8, "headroom": 0}
+    made = tfrecompute.plan(model, **options)
+    assert made.chain.policy_names == ("attention", "dots") and any(made.selective)
+    assert whole_below < made.peak_bytes <= budget  # more of the budget used
+    off = tfrecompute.plan(model, **options, policy="nothing")
+    assert not off.chain.has_policy and off.peak_bytes == whole_below
+    # Without a budget, or with a strategy that does not weigh states: none offered.
+    assert not tfrecompute.plan(model, batch_size=8).chain.has_policy
+    assert weighed_policy(model, None, strategies.sqrt, budgeted=True) is None
+    tfrecompute.recompute(model, **options)
+    names = {0: None, 1: "attention", 2: "dots"}
+    assert [b.policy for b in _blocks(model)] == [names[s] for s in made.selective]
+    ids = tf.constant(np.random.default_rng(0).integers(0, 100, (2, 32)).astype("int32"))
+    _same_training(model, [ids], "function")
+
+
+def test_a_budget_on_a_model_without_attention_plans_whole_segments():
+    model = models_zoo.tanh_mlp(depth=6, width=16)
+    assert not tfrecompute.plan(model, budget=0.9, batch_size=8).chain.has_policy
+
+
+def test_the_command_line_weighs_the_same_states_under_a_budget(tmp_path, capsys):
+    from tfrecompute.cli.command import main
+
+    keras.utils.set_random_seed(0)
+    model = models_zoo.transformer_encoder(layers=2, sequence=32, hidden=16, heads=2)
+    model.compile(optimizer="sgd", loss="mse")
+    budget, _ = _between_whole_steps(model, 8)
+    path = str(tmp_path / "encoder.keras")
+    model.save(path)
+    common = ["plan", path, "--batch-size", "8", "--budget", str(budget), "--headroom", "0"]
+    assert main(common) == 0
+    assert "selective" in capsys.readouterr().out
+    assert main([*common, "--policy", "nothing"]) == 0
+    assert "selective" not in capsys.readouterr().out

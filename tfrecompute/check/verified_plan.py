@@ -47,7 +47,7 @@ from tfrecompute.check.twin import (
 from tfrecompute.costs.profile import ProfiledModel
 from tfrecompute.errors import InfeasibleBudgetError
 from tfrecompute.layers.in_place import Checkpoints, restored_on_error
-from tfrecompute.pipeline import apply_plan, chain_of, check_options
+from tfrecompute.pipeline import apply_plan, chain_of, check_options, weighed_policy
 from tfrecompute.strategies.plan import chain_budget
 from tfrecompute.strategies.units import check_budget, format_budget
 
@@ -169,6 +169,7 @@ def planner(
     x, y = labelled(api, sample)
     check_compiled(api, model)
     chosen = strategies.get(strategy, api=api, argument="strategy")
+    policy = weighed_policy(model, policy, chosen, budgeted=True)  # verified for a budget
     chain = chain_of(api, model, sample, None, depth=depth, where=where, policy=policy)
     source = chain.source
     assert isinstance(source, ProfiledModel)

@@ -507,6 +507,12 @@ def _chain(
     """The model of `args` and its chain; every option checked first."""
     _check_options(command, args)
     loaded = _load_model(command, args)
+    policy = getattr(args, "policy", None)
+    if getattr(args, "budget", None) is not None and hasattr(args, "strategy"):
+        from tfrecompute.pipeline import weighed_policy
+
+        strategy = _strategy(command, args.strategy)  # NOTE [ Policy states under a budget ]
+        policy = weighed_policy(loaded.model, policy, strategy, budgeted=True)
     with _library_errors():
         chain = _profile(
             loaded.model,
@@ -514,7 +520,7 @@ def _chain(
             optimizer=loaded.optimizer,
             dim=args.dim,
             progress=sys.stderr if progress else None,
-            policy=getattr(args, "policy", None),
+            policy=policy,
             measure=_measure_options(args),
         )
     if getattr(args, "calibrate", False):
