@@ -62,7 +62,11 @@ from benchmarks import _report  # noqa: E402
 from tfrecompute.strategies import REPLAY_MARGIN, reconciled_peak  # noqa: E402
 
 NAME = "held_out"
-PLANS = ("none", "default", "sqrt", "optimal")
+PLANS = ("none", "default", "sqrt", "optimal", "optimal+policies")
+# `optimal` plans whole segments (`policy="nothing"`); `optimal+policies` is what a budget
+# plans by default on a model holding attention layers (NOTE [ Policy states under a
+# budget ] in tfrecompute/pipeline.py), measured on those models only.
+ATTENTION_MODELS = ("gpt_neox", "mistral", "opt", "electra")
 MEMORY = ("traced", "calibrated")  # how each plan's memory is predicted
 SMOKE_PLANS = ("none", "sqrt")
 TRACES = 2
@@ -303,13 +307,16 @@ def _planned(model: Any, x: Any, y: Any, plan_name: str, calibrate: bool) -> tup
 
     chain = tfrecompute.plan(model, "none", sample=(x, y), calibrate=calibrate).chain
     budget = None
-    if plan_name == "optimal":
+    if plan_name.startswith("optimal"):
         halfway = (strategies.min_peak(chain) + strategies.none(chain).peak_bytes) // 2
         headroom = strategies.CALIBRATED_HEADROOM if calibrate else strategies.DEFAULT_HEADROOM
         # Exact: `plan_within` plans floor(budget * (1 - Fraction(headroom))) >= halfway.
         budget = math.ceil(halfway / (1 - Fraction(headroom)))
-    strategy = {"none": "none", "default": None, "sqrt": "sqrt", "optimal": "optimal"}[plan_name]
-    plan = tfrecompute.plan(model, strategy, budget=budget, sample=(x, y), calibrate=calibrate)
+    strategy = {"none": "none", "default": None, "sqrt": "sqrt"}.get(plan_name, "optimal")
+    policy = "nothing" if plan_name == "optimal" else None  # the budget's default otherwise
+    plan = tfrecompute.plan(
+        model, strategy, budget=budget, sample=(x, y), calibrate=calibrate, policy=policy
+    )
     return plan, chain, budget
 
 
@@ -609,16 +616,31 @@ def _above_storing_everything(rows: list[dict[str, Any]]) -> list[str]:
 def _run_line(run: dict[str, Any]) -> str:
     what = {"plans": "", "spread": " (spread)"}.get(run.get("what", "plans"))
     what = f" ({run['what']} plan)" if what is None else what
+    if run.get("plans"):
+        what += f" ({', '.join(run['plans'])} only)"
+    cpu = f", {run['cpu']}" if run.get("cpu") else ""
     return (
         f"{run['started']}{what} ({run['minutes']:.0f} min, load average before "
-        f"{run['load_before']}, tfrecompute {run['commit']}): {', '.join(run['models'])}"
+        f"{run['load_before']}, tfrecompute {run['commit']}{cpu}): {', '.join(run['models'])}"
     )
+
+
+def _cpu() -> str:
+    """Which vector instructions this CPU has, as oneDNN chooses kernels by them."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    return "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), help="default: all")
     parser.add_argument("--smoke", action="store_true", help="one small model, two plans")
+    parser.add_argument(
+        "--plans", nargs="+", choices=PLANS, help="measure only these plans (default: all)"
+    )
     parser.add_argument("--out", type=Path, help="the folder to write to")
     parser.add_argument(
         "--spread", type=int, metavar="K", help="store everything in K processes per model"
@@ -650,7 +672,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     started, load = time.strftime("%Y-%m-%d %H:%M"), os.getloadavg()
     begin = time.perf_counter()
     spread = args.spread_plan if args.spread is not None else None
-    previous = _previous(out / f"{NAME}.json", names, spread=spread)
+    previous = _previous(out / f"{NAME}.json", names, spread=spread, plans=args.plans)
     new: dict[str, list[dict[str, Any]]] = {"rows": [], "failed": [], "spread": []}
     report: dict[str, Any] = {}
     for index, name in enumerate(names):
@@ -662,6 +684,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "commit": _commit(),
             "models": names[: index + 1],
             "what": _what(spread),
+            "plans": args.plans,
+            "cpu": _cpu(),
         }
         report = {  # written after each model, so that a stopped run keeps what it measured
             "machine": _report.machine(),
@@ -685,7 +709,9 @@ def _measure_model(name: str, args: Any, new: dict[str, list[dict[str, Any]]]) -
             worker = ["--spread-worker", name, args.spread_plan, *extra]
             new["spread"].append(_report.run_worker(script, worker, timeout=1800))
         return
-    for plan in SMOKE_PLANS if args.smoke else PLANS:
+    for plan in SMOKE_PLANS if args.smoke else (args.plans or PLANS):
+        if plan == "optimal+policies" and name not in ATTENTION_MODELS:
+            continue
         for memory in MEMORY:
             worker = ["--worker", name, plan, memory, *extra]
             try:
@@ -702,21 +728,28 @@ def _order(row: dict[str, Any]) -> tuple[int, int, int]:
     return model, PLANS.index(row["plan"]), MEMORY.index(row.get("memory", "traced"))
 
 
-def _previous(path: Path, names: Sequence[str], *, spread: str | None) -> dict[str, Any]:
+def _previous(
+    path: Path, names: Sequence[str], *, spread: str | None, plans: Sequence[str] | None = None
+) -> dict[str, Any]:
     """The rows, runs, failures and spread of an earlier report, less what is run again
-    (the plans of `names`, or with `spread`, a plan's name, their spread of that plan)."""
+    (the plans of `names`, only `plans` of them if given, or with `spread`, a plan's name,
+    their spread of that plan)."""
     if not path.exists():
         return {"rows": [], "runs": [], "failed": [], "spread": []}
     old = json.loads(path.read_text())
     kind = _what(spread)
+
+    def kept(row: dict[str, Any]) -> bool:
+        return bool(spread) or row["model"] not in names or bool(plans and row["plan"] not in plans)
+
     return {
-        "rows": [r for r in old["rows"] if spread or r["model"] not in names],
+        "rows": [r for r in old["rows"] if kept(r)],
         "runs": [
             run
             for run in old["runs"]
-            if run.get("what", "plans") != kind or set(run["models"]) - set(names)
+            if plans or run.get("what", "plans") != kind or set(run["models"]) - set(names)
         ],
-        "failed": [f for f in old.get("failed", []) if spread or f["model"] not in names],
+        "failed": [f for f in old.get("failed", []) if kept(f)],
         "spread": [
             r
             for r in old.get("spread", [])
