@@ -4,6 +4,8 @@ two more, added to the same report. And the budget section from rows made here."
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from benchmarks import held_out
@@ -153,3 +155,30 @@ def test_the_default_plan_is_compared_with_sqrt_beside_the_measured_spread():
     assert held_out._default_against_sqrt(groups)[-1] == "| unet | +50% | 20% | yes |"
     groups[("unet", "sqrt")] = rows("sqrt", 30, 31, 32)  # +6%, within the default's 20%
     assert held_out._default_against_sqrt(groups)[-1] == "| unet | +6% | 20% | no |"
+
+
+def test_measuring_some_plans_again_keeps_the_other_rows(tmp_path):
+    rows = [
+        {"model": model, "plan": plan, "memory": "calibrated"}
+        for model in ("gpt_neox", "vgg16")
+        for plan in ("none", "optimal", "optimal+policies")
+    ]
+    run = {
+        "started": "x",
+        "minutes": 1.0,
+        "load_before": "0",
+        "commit": "c",
+        "models": ["gpt_neox"],
+    }
+    path = tmp_path / "held_out.json"
+    path.write_text(json.dumps({"rows": rows, "runs": [run], "failed": []}))
+    kept = held_out._previous(path, ["gpt_neox"], spread=None, plans=["optimal+policies"])
+    assert [(r["model"], r["plan"]) for r in kept["rows"]] == [
+        (r["model"], r["plan"])
+        for r in rows
+        if (r["model"], r["plan"]) != ("gpt_neox", "optimal+policies")
+    ]
+    assert kept["runs"] == [run]  # its other plans are still in the table
+    assert held_out._previous(path, ["gpt_neox"], spread=None)["runs"] == []
+    line = held_out._run_line({**run, "plans": ["optimal+policies"], "cpu": "AVX2"})
+    assert "(optimal+policies only)" in line and "tfrecompute c, AVX2)" in line
