@@ -143,6 +143,12 @@ def test_the_budget_section_says_where_the_next_plan_up_stood():
         "- traced: the optimal plans measured 60% to 60% of their budget; 0 over it by more "
         "than 5%, 1 under 85% of it."
     ]
+    policies = [dict(row("a", 88, None), plan="optimal+policies")]  # apart from the others
+    assert held_out._budget_lines(rows + policies)[3:] == [
+        *lines[3:],
+        "- calibrated: the optimal+policies plans measured 88% to 88% of their budget; 0 over "
+        "it by more than 5%, 0 under 85% of it.",
+    ]
 
 
 def test_the_default_plan_is_compared_with_sqrt_beside_the_measured_spread():
