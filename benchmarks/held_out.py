@@ -10,7 +10,9 @@ with `jit_compile=True`; Adam or SGD as listed in `MODELS`.
 
 For each model and plan (`none`; the default, `recompute(model, sample=...)`;
 `sqrt`; `optimal` under a budget halfway between the least peak a plan
-reaches and storing everything, as `prediction_accuracy.py` sets it), one
+reaches and storing everything, as `prediction_accuracy.py` sets it, with
+whole segments; on the four keras-hub models also `optimal+policies`, the
+same budget's default there, which weighs the attention and dots states), one
 fresh process builds the model (seed 0), plans, applies the plan and
 measures compiled training steps: the allocator's peak (`measure_step`) and
 the largest requested peak of two traced steps (`trace_step`; what the
@@ -35,6 +37,7 @@ Writes `held_out.json` and `held_out.md` to benchmarks/results/.
 
     python benchmarks/held_out.py                      # every model, about an hour on 2 cores
     python benchmarks/held_out.py --models gru_lm unet
+    python benchmarks/held_out.py --models opt electra --plans optimal+policies
     python benchmarks/held_out.py --spread 5           # storing everything, 5 processes each
     python benchmarks/held_out.py --spread 3 --spread-plan default
     python benchmarks/held_out.py --smoke              # one small model, a temporary folder
@@ -699,16 +702,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     report: dict[str, Any] = {}
     for index, name in enumerate(names):
         _measure_model(name, args, new)
-        run = {
-            "started": started,
-            "minutes": (time.perf_counter() - begin) / 60,
-            "load_before": ", ".join(f"{value:.2f}" for value in load),
-            "commit": _commit(),
-            "models": names[: index + 1],
-            "what": _what(spread),
-            "plans": args.plans,
-            "cpu": _cpu(),
-        }
+        run = _run(started, begin, load, names[: index + 1], spread, args.plans)
         report = {  # written after each model, so that a stopped run keeps what it measured
             "machine": _report.machine(),
             "versions": _report.versions("tensorflow", "keras", "keras-hub"),
@@ -720,6 +714,27 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         table = _markdown(report["rows"], report["runs"], report["failed"], report["spread"])
         _report.write(out, NAME, report, table)
     return report
+
+
+def _run(
+    started: str,
+    begin: float,
+    load: Sequence[float],
+    models: Sequence[str],
+    spread: str | None,
+    plans: Sequence[str] | None,
+) -> dict[str, Any]:
+    """What a run records of itself beside its rows."""
+    return {
+        "started": started,
+        "minutes": (time.perf_counter() - begin) / 60,
+        "load_before": ", ".join(f"{value:.2f}" for value in load),
+        "commit": _commit(),
+        "models": list(models),
+        "what": _what(spread),
+        "plans": plans,
+        "cpu": _cpu(),
+    }
 
 
 def _measure_model(name: str, args: Any, new: dict[str, list[dict[str, Any]]]) -> None:
@@ -769,7 +784,9 @@ def _previous(
         "runs": [
             run
             for run in old["runs"]
-            if plans or run.get("what", "plans") != kind or set(run["models"]) - set(names)
+            if run.get("what", "plans") != kind
+            or set(run["models"]) - set(names)
+            or set(run.get("plans") or PLANS) - set(plans or PLANS)
         ],
         "failed": [f for f in old.get("failed", []) if kept(f)],
         "spread": [

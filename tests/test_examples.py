@@ -69,9 +69,7 @@ def test_functional_rewrite(capsys):
     _load("functional_rewrite").main(args)
     out = capsys.readouterr().out
     # Under a budget the attention layers give each segment the attention and dots states.
-    assert "Plan 'optimal'" in out and re.search(
-        r"\b(recomputed|selective \((attention|dots)\))", out
-    )
+    assert "Plan 'optimal'" in out and re.search(r"selective \((attention|dots)\)", out)
     assert "checkpointed" in out and "of the memory" in out
     assert len(PROGRESS.findall(out)) >= 3
     assert re.search(r"at [0-9.]+x the CPU time per step \([0-9.]+x the wall time", out)

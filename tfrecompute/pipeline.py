@@ -22,6 +22,7 @@ signature and everything profiling reads of the model (its variables, their
 from __future__ import annotations
 
 import json
+import warnings
 import weakref
 from typing import Any
 
@@ -43,6 +44,7 @@ from tfrecompute.strategies.units import check_budget
 __all__ = [
     "BUDGET_POLICIES",
     "apply_plan",
+    "budget_chain",
     "chain_of",
     "check_options",
     "left_as_it_was",
@@ -93,10 +95,14 @@ def weighed_policy(model: Any, policy: Any, strategy: Any, *, budgeted: bool) ->
     attention layers therefore weighs `BUDGET_POLICIES` per segment when no
     `policy` is given: its attention cores recomputed, or all but its weight
     products, beside storing and recomputing whole. Those states fall
-    between the whole-layer steps; priced by FLOPs, the plans they made on
-    two of those transformers also measured less CPU time than the
-    whole-layer plans of the same budget. `policy="nothing"` plans whole
-    segments only. Without a budget, with another strategy, or on a model
+    between the whole-layer steps. They are priced by FLOPs, which
+    under-price a `"dots"` recompute (NOTE [ Measured state times ] in
+    `tfrecompute.costs.state_time`); on the functional encoder example the
+    plan made with them measured 1.22x the CPU time of storing everything
+    against 1.38x for whole segments at the same budget
+    (docs/benchmarks.md, Examples). `policy="nothing"` plans whole
+    segments only; a failure to price the states (not asked for) warns and
+    plans whole segments (`budget_chain`). Without a budget, with another strategy, or on a model
     without attention layers, the given `policy` is used as it is. The
     plan's blocks get the states' policies when it is applied
     (`ProfiledModel.policies`).
@@ -106,6 +112,38 @@ def weighed_policy(model: Any, policy: Any, strategy: Any, *, budgeted: bool) ->
     if strategy is not strategies.optimal or not attention_layers([model]):
         return None
     return list(BUDGET_POLICIES)
+
+
+def budget_chain(
+    api: str,
+    model: keras.Model,
+    sample: Any,
+    batch_size: Any,
+    strategy: Any,
+    *,
+    depth: Any = None,
+    where: Any = None,
+    policy: Any = None,
+    budgeted: bool,
+) -> strategies.Chain:
+    """`chain_of` with the policy states a budget weighs by default (`weighed_policy`).
+
+    Those the user did not ask for are a refinement: if pricing them fails, one
+    warning says why and the chain has whole segments only.
+    """
+    weighed = weighed_policy(model, policy, strategy, budgeted=budgeted)
+    if weighed is policy:
+        return chain_of(api, model, sample, batch_size, depth=depth, where=where, policy=policy)
+    try:
+        return chain_of(api, model, sample, batch_size, depth=depth, where=where, policy=weighed)
+    except Exception as error:  # noqa: BLE001 (states not asked for: plan without them)
+        warnings.warn(
+            f"{api}: the attention and dots states a budget weighs on a model with attention "
+            f"layers could not be priced ({type(error).__name__}: {error}); planning whole "
+            "segments. Pass policy='nothing' to plan whole segments without trying them.",
+            stacklevel=3,
+        )
+        return chain_of(api, model, sample, batch_size, depth=depth, where=where)
 
 
 def chain_of(

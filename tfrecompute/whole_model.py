@@ -30,11 +30,11 @@ from tfrecompute.layers.in_place import Checkpoints, record, remove
 from tfrecompute.layers.in_place import checkpoints as applied_checkpoints
 from tfrecompute.pipeline import (
     apply_plan,
+    budget_chain,
     chain_of,
     check_options,
     left_as_it_was,
     nothing_applied,
-    weighed_policy,
 )
 from tfrecompute.strategies.headroom import headroom_of
 from tfrecompute.strategies.plan import chain_budget
@@ -82,15 +82,16 @@ def _resolve_plan(
         check_compiled(api, model)
     # Without a batch size or a sample the bytes are those of one sample: the
     # proportions, which is all a budget-free strategy needs.
-    policy = weighed_policy(model, options["policy"], chosen, budgeted=budget is not None)
-    chain = chain_of(
+    chain = budget_chain(
         api,
         model,
         sample,
         batch_size,
+        strategies.optimal if strategy is None else chosen,  # where= wraps the default
         depth=options["depth"],
         where=options["where"],
-        policy=policy,
+        policy=options["policy"],
+        budgeted=budget is not None,
     )
     if options["calibrate"]:
         chain = calibrated(api, chain, sample)

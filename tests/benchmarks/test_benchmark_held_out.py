@@ -185,6 +185,12 @@ def test_measuring_some_plans_again_keeps_the_other_rows(tmp_path):
         if (r["model"], r["plan"]) != ("gpt_neox", "optimal+policies")
     ]
     assert kept["runs"] == [run]  # its other plans are still in the table
+    again = {**run, "plans": ["optimal+policies"]}  # the same plans measured again: replaced
+    path.write_text(json.dumps({"rows": rows, "runs": [run, again], "failed": []}))
+    assert held_out._previous(path, ["gpt_neox"], spread=None, plans=["optimal+policies"])[
+        "runs"
+    ] == [run]
+    path.write_text(json.dumps({"rows": rows, "runs": [run], "failed": []}))
     assert held_out._previous(path, ["gpt_neox"], spread=None)["runs"] == []
     line = held_out._run_line({**run, "plans": ["optimal+policies"], "cpu": "AVX2"})
     assert "(optimal+policies only)" in line and "tfrecompute c, AVX2)" in line

@@ -238,3 +238,29 @@ def test_a_probe_process_error_is_raised_as_the_library_raised_it(found, raised,
 
     with pytest.raises(raised, match=match):
         _probe_failed(8, found, "Traceback: boom")
+
+
+@pytest.mark.parametrize("isolate", [False, True])
+def test_max_batch_size_applies_the_policy_states_its_probe_measured(isolate):
+    from tests import models_zoo
+
+    keras.utils.set_random_seed(0)
+    model = models_zoo.transformer_encoder(layers=2, sequence=128, hidden=64, heads=2)
+    model.compile(optimizer="sgd", loss="mse")
+    rng = np.random.default_rng(0)
+    sample = (rng.integers(0, 100, (8, 128)).astype("int32"), np.zeros((8, 2), "float32"))
+    stored = tfrecompute.measure_step(model, *repeat(sample, 32)).peak_bytes
+    # Under the budget's default policy states (the encoder holds attention layers).
+    found = tfrecompute.max_batch_size(
+        model, sample, budget=int(0.8 * stored), multiple=32, limit=32, isolate=isolate
+    )
+    probe = found.probes[-1]
+    assert found.batch_size == 32 and probe.fits and found.plan.segments == probe.segments
+    assert found.plan.chain.policy_names == ("attention", "dots")
+    assert found.plan.selective == probe.selective and any(probe.selective)
+    names = {0: None, 1: "attention", 2: "dots"}
+    assert [b.policy for b in applied_blocks(model)] == [names[s] for s in probe.selective]
+
+
+def repeat(sample, rows):
+    return tuple(np.concatenate([part] * (rows // len(part))) for part in sample)

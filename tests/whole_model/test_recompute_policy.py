@@ -330,3 +330,34 @@ def test_the_command_line_weighs_the_same_states_under_a_budget(tmp_path, capsys
     assert "selective" in capsys.readouterr().out
     assert main([*common, "--policy", "nothing"]) == 0
     assert "selective" not in capsys.readouterr().out
+
+
+def test_a_plan_using_policy_states_refuses_a_policy_that_turns_them_off():
+    keras.utils.set_random_seed(0)
+    model = models_zoo.transformer_encoder(layers=2, sequence=32, hidden=16, heads=2)
+    budget, _ = _between_whole_steps(model, 8)
+    made = tfrecompute.plan(model, budget=budget, batch_size=8, headroom=0)
+    assert any(made.selective)
+    with pytest.raises(ValueError, match="which the policy given turns off") as info:
+        tfrecompute.recompute(model, made, policy="nothing")
+    assert CONVENTION.match(_own_message(info.value))
+
+
+def test_a_budget_plans_whole_segments_when_its_policy_states_cannot_be_priced(monkeypatch):
+    from tfrecompute.costs import profile
+
+    original = profile._policy_states
+
+    def broken(graph, links, batch_size, forward, policies, traced):
+        if policies:
+            raise RuntimeError("no attention core found")
+        return original(graph, links, batch_size, forward, policies, traced)
+
+    monkeypatch.setattr(profile, "_policy_states", broken)
+    keras.utils.set_random_seed(0)
+    model = models_zoo.transformer_encoder(layers=2, sequence=32, hidden=16, heads=2)
+    with pytest.warns(UserWarning, match=r"plan: the attention and dots states .* no attention"):
+        made = tfrecompute.plan(model, budget=0.8, batch_size=8)
+    assert not made.chain.has_policy and made.segments
+    with pytest.raises(RuntimeError, match="no attention core"):  # asked for: the error
+        tfrecompute.plan(model, budget=0.8, batch_size=8, policy="dots")

@@ -42,6 +42,8 @@ def main(folder: str, batch_size: str) -> None:
                 "fits": found.fits,
                 "peak_bytes": found.peak_bytes,
                 "segments": [list(s) for s in found.segments],
+                "selective": list(found.selective),
+                "strategy": found.strategy,
             }
         )
         + "\n"

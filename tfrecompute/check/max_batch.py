@@ -53,12 +53,17 @@ class BatchProbe:
         peak_bytes: the measured peak of the plan kept (when it fits), else
             the least measured peak (0 when no plan was predicted to fit).
         segments: the plan's segments (links of the chain), when it fits.
+        selective: each segment's state (`Plan.selective`), () when every one is
+            recomputed whole.
+        strategy: the name of the strategy that made the plan.
     """
 
     batch_size: int
     fits: bool
     peak_bytes: int
     segments: tuple[tuple[int, int], ...] = ()
+    selective: tuple[int, ...] = ()
+    strategy: str = "manual"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +145,10 @@ def probe_batch(
         return BatchProbe(batch_size, False, int(measured))
     finally:
         gc.collect()
-    return BatchProbe(batch_size, True, verified.peak_bytes, verified.plan.segments)
+    plan = verified.plan
+    return BatchProbe(
+        batch_size, True, verified.peak_bytes, plan.segments, plan.selective, plan.strategy
+    )
 
 
 class _Isolated:
@@ -168,7 +176,10 @@ class _Isolated:
         if result.returncode != 0 or "error" in found:
             _probe_failed(batch_size, found, result.stderr)
         segments = tuple((int(s), int(e)) for s, e in found["segments"])
-        return BatchProbe(batch_size, bool(found["fits"]), int(found["peak_bytes"]), segments)
+        selective = tuple(int(k) for k in found.get("selective", ()))
+        fits, peak = bool(found["fits"]), int(found["peak_bytes"])
+        strategy = str(found.get("strategy", "manual"))
+        return BatchProbe(batch_size, fits, peak, segments, selective, strategy)
 
 
 def _probe_failed(batch_size: int, found: dict[str, Any], stderr: str) -> None:
@@ -190,13 +201,18 @@ def _options(
     strategy: Any, budget: int, depth: Any, where: Any, policy: Any, isolate: bool
 ) -> dict[str, Any]:
     """The options each probe plans with; in a fresh process they must travel as JSON."""
-    if isolate and policy is not None and not isinstance(policy, str):
+    names = [policy] if isinstance(policy, str) else policy
+    if (
+        isolate
+        and policy is not None
+        and not (isinstance(names, (list, tuple)) and all(isinstance(n, str) for n in names))
+    ):
         fail(
             "max_batch_size",
-            "a recompute policy for probes in fresh processes must be a name",
+            "a recompute policy for probes in fresh processes must be a name or a list of names",
             "policy",
             policy,
-            'Pass policy="dots", or isolate=False',
+            'Pass policy="dots" or ["attention", "dots"], or isolate=False',
             error=TypeError,
         )
     if isolate and not isinstance(strategy, str):
@@ -367,7 +383,7 @@ def max_batch_size(
         limit: the largest batch size tried (every probe takes seconds to
             a minute: about `2 * log2(limit / multiple)` probes at most).
         depth, where, policy: as for `recompute` (`where` as layer names and
-            `policy` as a name when isolated).
+            `policy` as a name or a list of names when isolated).
         isolate: probe in fresh processes (True) or in this one (False).
         progress: True (the default): a line on standard output when the
             search starts and one per probe as it is measured; False: quiet;
@@ -461,8 +477,10 @@ def _found(
         where=options["where"],
         policy=options["policy"],
     )
-    plan = (
-        strategies.Plan.from_segments(made.chain, best.segments)
+    plan = (  # the plan measured: its segments and their states
+        strategies.Plan.from_segments(
+            made.chain, best.segments, strategy=best.strategy, selective=best.selective or None
+        )
         if best.segments
         else strategies.none(made.chain)
     )

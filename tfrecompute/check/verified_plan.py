@@ -47,7 +47,7 @@ from tfrecompute.check.twin import (
 from tfrecompute.costs.profile import ProfiledModel
 from tfrecompute.errors import InfeasibleBudgetError
 from tfrecompute.layers.in_place import Checkpoints, restored_on_error
-from tfrecompute.pipeline import apply_plan, chain_of, check_options, weighed_policy
+from tfrecompute.pipeline import apply_plan, budget_chain, check_options
 from tfrecompute.strategies.plan import chain_budget
 from tfrecompute.strategies.units import check_budget, format_budget
 
@@ -169,8 +169,9 @@ def planner(
     x, y = labelled(api, sample)
     check_compiled(api, model)
     chosen = strategies.get(strategy, api=api, argument="strategy")
-    policy = weighed_policy(model, policy, chosen, budgeted=True)  # verified for a budget
-    chain = chain_of(api, model, sample, None, depth=depth, where=where, policy=policy)
+    chain = budget_chain(  # verified for a budget
+        api, model, sample, None, chosen, depth=depth, where=where, policy=policy, budgeted=True
+    )
     source = chain.source
     assert isinstance(source, ProfiledModel)
     if source.graph.root is None:
@@ -202,13 +203,14 @@ def _verify(
 ) -> VerifiedPlan:
     planned, first = _first_plan(planner, total, budget)
     plan: strategies.Plan | None = first
-    measured: dict[tuple[tuple[int, int], ...], Probe] = {}
-    plans: dict[tuple[tuple[int, int], ...], strategies.Plan] = {}
+    # A plan is its segments and their states: re-planning can change only the states.
+    measured: dict[tuple[Any, ...], Probe] = {}
+    plans: dict[tuple[Any, ...], strategies.Plan] = {}
     probes: list[Probe] = []
     limit = math.floor(total * (1 - MARGIN))
-    while plan is not None and plan.segments not in measured and len(probes) < ROUNDS:
+    while plan is not None and _key(plan) not in measured and len(probes) < ROUNDS:
         probe = planner.measure(plan, planned)
-        measured[plan.segments], plans[plan.segments] = probe, plan
+        measured[_key(plan)], plans[_key(plan)] = probe, plan
         probes.append(probe)
         if progress is not None:
             progress(probe)
@@ -216,13 +218,18 @@ def _verify(
             break
         planned = math.floor(planned * AIM * total / max(probe.measured_bytes, 1))
         plan = _plan_or_none(planner, planned)
-    fitting = [segments for segments, p in measured.items() if p.measured_bytes <= limit]
+    fitting = [key for key, p in measured.items() if p.measured_bytes <= limit]
     if not fitting:
         _none_fits(planner.api, budget, total, probes)
     best = min(fitting, key=lambda s: (measured[s].recompute_cost, -measured[s].measured_bytes))
     chosen = plans[best]
     planner.apply(chosen)
     return VerifiedPlan(chosen, planner.model, measured[best].measured_bytes, total, tuple(probes))
+
+
+def _key(plan: strategies.Plan) -> tuple[Any, ...]:
+    """What tells measured plans apart: the segments and each one's state."""
+    return (plan.segments, plan.selective)
 
 
 def _first_plan(planner: _Planner, total: int, budget: Any) -> tuple[int, strategies.Plan]:

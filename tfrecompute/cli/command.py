@@ -507,14 +507,16 @@ def _chain(
     """The model of `args` and its chain; every option checked first."""
     _check_options(command, args)
     loaded = _load_model(command, args)
-    policy = getattr(args, "policy", None)
+    given = getattr(args, "policy", None)
+    policy = given
     if getattr(args, "budget", None) is not None and hasattr(args, "strategy"):
         from tfrecompute.pipeline import weighed_policy
 
         strategy = _strategy(command, args.strategy)  # NOTE [ Policy states under a budget ]
-        policy = weighed_policy(loaded.model, policy, strategy, budgeted=True)
-    with _library_errors():
-        chain = _profile(
+        policy = weighed_policy(loaded.model, given, strategy, budgeted=True)
+
+    def profiled(policy: Any) -> strategies.Chain:
+        return _profile(
             loaded.model,
             args.batch_size,
             optimizer=loaded.optimizer,
@@ -523,6 +525,19 @@ def _chain(
             policy=policy,
             measure=_measure_options(args),
         )
+
+    with _library_errors():
+        try:
+            chain = profiled(policy)
+        except Exception as error:  # noqa: BLE001 (states not asked for: plan without them)
+            if policy is given:
+                raise
+            sys.stderr.write(
+                f"tfrecompute {command}: the attention and dots states could not be priced "
+                f"({type(error).__name__}: {error}); planning whole segments "
+                "(--policy nothing skips them).\n"
+            )
+            chain = profiled(None)
     if getattr(args, "calibrate", False):
         chain = _calibrated(command, args, loaded.model, chain)
     return loaded.model, chain

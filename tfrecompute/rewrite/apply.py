@@ -137,9 +137,11 @@ def block_policies(api: str, plan: strategies.Plan, policy: Any) -> list[Any]:
     profiled with (`ProfiledModel.policies`), which a chain built by hand lacks.
     """
     given = planned_policies(api, policy)
+    if not plan.segments:
+        return []
     weighed = bool(plan.selective) or (plan.chain.has_policy and plan.strategy == "optimal")
     if weighed and not given:
-        given = tuple(getattr(plan.chain.source, "policies", ()))
+        given = _own_policies(api, plan, policy)
     if not weighed:
         if len(given) > 1:
             fail(
@@ -178,6 +180,21 @@ def block_policies(api: str, plan: strategies.Plan, policy: Any) -> list[Any]:
             f"policy={example!r})",
         )
     return [given[plan.state(i) - 1] if plan.state(i) else None for i in range(len(plan.segments))]
+
+
+def _own_policies(api: str, plan: strategies.Plan, policy: Any) -> tuple[Any, ...]:
+    """The policies a weighed plan's chain was profiled with, for a call given none; a
+    policy that turns them off ("nothing") is refused for a plan that uses them."""
+    if policy is not None and any(plan.selective):
+        fail(
+            api,
+            "the plan recomputes segments under policy states, which the policy given turns off",
+            "policy",
+            policy,
+            f"Pass no policy to apply the plan's own states, or make the plan with "
+            f"policy={policy!r}",
+        )
+    return tuple(getattr(plan.chain.source, "policies", ()))
 
 
 def _regions(graph: LayerGraph) -> list[Region]:
