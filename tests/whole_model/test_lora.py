@@ -8,7 +8,7 @@ that blocks are placed where the adapters' gradients need the layers' activation
 that the adapter gradients equal the control's eagerly and under `tf.function`, and
 that `fit` moves the adapters as the control's and leaves every frozen weight where
 it was. The same under `mixed_bfloat16` and `mixed_float16`, and without LoRA under
-both.
+both. What a control computes is computed once per module (NOTE [ Shared controls ]).
 """
 
 from __future__ import annotations
@@ -118,6 +118,49 @@ def _recomputing(model: keras.Model, x: Any) -> int:
     return recomputed_blocks(model, run)
 
 
+# NOTE [ Shared controls ]
+# A control is never checkpointed, so the cases that differ only in the checkpointed
+# model's order (`lora_first`, `recompute_first`) or in the mode it runs in build the
+# same control from the same seed and compute the same numbers with it. Each is computed
+# once per module, in the order a case computes it (runs, then `fit`; or `fit` alone),
+# and kept as numbers; so is the checkpointed model of the gradient test, whose runs
+# each restore its seed states first and change no weight. The fit tests build their
+# checkpointed models afresh. This file alone: 417 s before sharing, 347 s after.
+
+
+@pytest.fixture(scope="module")
+def shared() -> dict[tuple[Any, ...], Any]:
+    """What the cases of this module share, by what it is (NOTE [ Shared controls ])."""
+    return {}
+
+
+def _run(model: keras.Model, x: Any, seeds: Any, trained: Any, mode: str) -> list[np.ndarray]:
+    """Outputs then gradients of `trained(model)`, from the seed states `seeds`."""
+    load_state(model.non_trainable_variables, seeds)
+    flat = [tf.convert_to_tensor(v) for v in keras.tree.flatten(x)]
+    return forward_and_grads(model_runner(model, x), flat, trained(model), mode)
+
+
+def _control_runs(shared: dict, name: str, *, lora: bool = True) -> tuple[keras.Model, Any, dict]:
+    """The control of `name` under the current dtype policy: the model, its seed states
+    as built and its runs by mode (eager, then `tf.function`)."""
+    key = ("runs", name, lora, keras.config.dtype_policy().name)
+    if key not in shared:
+        control, x, _, _ = _build(name, "after", checkpointed=False, lora=lora)
+        seeds = save_state(control.non_trainable_variables)
+        trained = _adapters if lora else _trainable
+        shared[key] = (
+            control,
+            seeds,
+            {mode: _run(control, x, seeds, trained, mode) for mode in MODES},
+        )
+    return shared[key]
+
+
+def _trainable(model: keras.Model) -> list[Any]:
+    return model.trainable_variables
+
+
 # The bound on float32 rounding noise: about 84 float32 ulps (eps = 1.2e-7) of each
 # tensor's scale; a wrong gradient is off by a fraction of its own size (a block's
 # recompute scaled by 1.001: 1e-3).
@@ -127,7 +170,7 @@ FLOAT32_NOISE = 1e-5
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("order", ["before", "after"], ids=["lora_first", "recompute_first"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_adapter_gradients_equal_the_control(name, order, mode):
+def test_adapter_gradients_equal_the_control(name, order, mode, shared):
     """The checkpointed model's outputs and adapter gradients equal the control's.
 
     Eagerly they are bitwise equal. Under `tf.function` Grappler's arithmetic
@@ -143,42 +186,36 @@ def test_adapter_gradients_equal_the_control(name, order, mode):
     1e-3 still fails). Seed states are restored before each run: BERT's
     Dropout draws the same masks in each.
     """
-    model, x, _, _ = _build(name, order, checkpointed=True)
-    control, _, _, _ = _build(name, order, checkpointed=False)
+    if ("model", name, order) not in shared:
+        shared["model", name, order] = _build(name, order, checkpointed=True)[:2]
+    model, x = shared["model", name, order]
+    _, seeds, want = _control_runs(shared, name)
     assert _recomputing(model, x) >= 2  # the frozen transformer layers are checkpointed
-    flat = [tf.convert_to_tensor(v) for v in keras.tree.flatten(x)]
-    seeds = save_state(control.non_trainable_variables)
-
-    def run(m, run_mode):
-        load_state(m.non_trainable_variables, seeds)
-        return forward_and_grads(model_runner(m, x), flat, _adapters(m), run_mode)
-
-    want = {run_mode: run(control, run_mode) for run_mode in MODES}
     spread = max(error for error, _ in _per_tensor_errors(want["function"], want["eager"]))
     assert spread <= 1e-4, f"the control alone: eager vs tf.function differ by {spread:.3g}"
-    got = run(model, mode)
+    got = _run(model, x, seeds, _adapters, mode)
     assert_close_per_tensor(got, want[mode], rtol=max(2 * spread, FLOAT32_NOISE))
     assert any(np.abs(g).max() > 0 for g in got[-len(_adapters(model)) :])
 
 
 @pytest.mark.parametrize("order", ["before", "after"], ids=["lora_first", "recompute_first"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_fit_moves_the_adapters_as_the_control_and_nothing_else(name, order):
+def test_fit_moves_the_adapters_as_the_control_and_nothing_else(name, order, shared):
     model, x, y, _ = _build(name, order, checkpointed=True)
-    control, _, _, _ = _build(name, order, checkpointed=False)
+    if ("fit", name) not in shared:  # the control as built, fitted
+        control = _build(name, order, checkpointed=False)[0]
+        control.fit(x, y, batch_size=1, epochs=2, shuffle=False, verbose=0)
+        shared["fit", name] = save_state(control.weights)
     frozen = [v for v in model.weights if not v.trainable and "seed_generator" not in v.path]
-    frozen_before = save_state(frozen)
-    for m in (model, control):
-        m.fit(x, y, batch_size=1, epochs=2, shuffle=False, verbose=0)
-    for got, want in zip(save_state(model.weights), save_state(control.weights)):
+    frozen_before, adapters_before = save_state(frozen), save_state(_adapters(model))
+    model.fit(x, y, batch_size=1, epochs=2, shuffle=False, verbose=0)
+    weights = save_state(model.weights)
+    assert len(weights) == len(shared["fit", name])
+    for got, want in zip(weights, shared["fit", name]):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     for variable, before, after in zip(frozen, frozen_before, save_state(frozen)):
         np.testing.assert_array_equal(after, before, err_msg=variable.path)
-    adapters_before = _build(name, order, checkpointed=False)[0].trainable_variables
-    assert any(
-        not np.allclose(a, b)
-        for a, b in zip(save_state(_adapters(model)), save_state(adapters_before))
-    )
+    assert any(not np.allclose(a, b) for a, b in zip(save_state(_adapters(model)), adapters_before))
 
 
 # Without LoRA, Llama under both policies is in test_any_model.py.
@@ -197,7 +234,7 @@ MIXED_CASES = [(name, True, "after") for name in MODELS] + [
         for name, lora, order in MIXED_CASES
     ],
 )
-def test_under_a_mixed_policy_trains_as_the_control(name, lora, order, mixed_policy):
+def test_under_a_mixed_policy_trains_as_the_control(name, lora, order, mixed_policy, shared):
     """Each model under `mixed_bfloat16` and `mixed_float16`, with LoRA after recompute
     (the Gemma causal LM also before), and without LoRA.
 
@@ -217,28 +254,23 @@ def test_under_a_mixed_policy_trains_as_the_control(name, lora, order, mixed_pol
     # keras-hub's attention softmax runs in float32 inside each transformer layer:
     # not the user's to split, so blocks placed by recompute() do not warn of it.
     assert not [w for w in caught if "compute in different dtypes" in str(w.message)]
-    control, _, _, _ = _build(name, order, checkpointed=False, lora=lora)
-    trained = _adapters if lora else (lambda m: m.trainable_variables)
-    flat = [tf.convert_to_tensor(v) for v in keras.tree.flatten(x)]
-    seeds = save_state(control.non_trainable_variables)  # BERT's Dropout: the same masks
-
-    def run(m, mode):
-        load_state(m.non_trainable_variables, seeds)
-        return forward_and_grads(model_runner(m, x), flat, trained(m), mode)
-
-    runs = [run(control, mode) for mode in MODES]
-    spread = max(error for error, _ in _per_tensor_errors(*runs))
+    trained = _adapters if lora else _trainable
+    control, seeds, runs = _control_runs(shared, name, lora=lora)  # seeds: BERT's Dropout
+    spread = max(error for error, _ in _per_tensor_errors(runs["eager"], runs["function"]))
     assert spread < 0.1  # a comparison that can still fail
     rtol = max(2 * spread, 1e-5)
-    got = run(model, "function")
-    assert_close_per_tensor(got, runs[1], rtol=rtol)
+    got = _run(model, x, seeds, trained, "function")
+    assert_close_per_tensor(got, runs["function"], rtol=rtol)
     frozen = [v for v in model.weights if not v.trainable and "seed_generator" not in v.path]
     frozen_before = save_state(frozen)
-    for m in (model, control):
-        m.fit(x, y, batch_size=1, epochs=2, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=1, epochs=2, shuffle=False, verbose=0)
+    key = ("fitted", name, lora, mixed_policy)
+    if key not in shared:  # after its runs, as the model is
+        control.fit(x, y, batch_size=1, epochs=2, shuffle=False, verbose=0)
+        shared[key] = save_state(trained(control))
     for variable, before, after in zip(frozen, frozen_before, save_state(frozen)):
         np.testing.assert_array_equal(after, before, err_msg=variable.path)
-    assert_close_per_tensor(save_state(trained(model)), save_state(trained(control)), rtol=rtol)
+    assert_close_per_tensor(save_state(trained(model)), shared[key], rtol=rtol)
 
 
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
