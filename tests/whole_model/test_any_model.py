@@ -57,10 +57,10 @@ def _per_tensor_errors(got, want):
     return errors
 
 
-def assert_close_per_tensor(got, want, *, rtol=1e-5):
+def assert_close_per_tensor(got, want, *, rtol=1e-5, what=""):
     """Each tensor within `rtol` of max(its own scale, 1e-2 of the largest) (GUIDE.md)."""
     for error, index in _per_tensor_errors(got, want):
-        assert error <= rtol, f"tensor {index}: relative error {error:.3g}"
+        assert error <= rtol, f"{what}tensor {index}: relative error {error:.3g}"
 
 
 def _recomputing(model, x):
@@ -73,36 +73,42 @@ def _recomputing(model, x):
     return recomputed_blocks(model, run)
 
 
-@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", NAMES)
-def test_a_checkpointed_model_trains_like_the_original(name, mode):
+def test_a_checkpointed_model_trains_like_the_original(name):
     model, x, _ = _build(name)
-    _assert_sqrt_trains_like_the_original(model, x, mode)
+    _assert_sqrt_trains_like_the_original(model, x, MODES)
 
 
-def assert_trains_like_before(model, x, mode, checkpoint, *, rtol=1e-5, blocks=1):
+def assert_trains_like_before(model, x, modes, checkpoint, *, rtol=1e-5, blocks=1):
     """`checkpoint(model)` places blocks, at least `blocks` of which recompute in a training
     call; outputs, gradients and state of that call, and the inference outputs, equal the
     model's before it (measured before `checkpoint` runs: the control is the model as it was,
-    not the same object with its checkpoints lifted)."""
+    not the same object with its checkpoints lifted). In each of `modes` ("eager",
+    "function", or a list of them: one model built and checkpointed for all), from the
+    same state."""
+    modes = [modes] if isinstance(modes, str) else list(modes)
     flat = [tf.convert_to_tensor(v) for v in keras.tree.flatten(x)]
     trainable, state = model.trainable_variables, model.non_trainable_variables
     initial = save_state(state)
-    want = forward_and_grads(model_runner(model, x), flat, trainable, mode)
-    want_state = save_state(state)
+    want, want_state = {}, {}
+    for mode in modes:
+        load_state(state, initial)
+        want[mode] = forward_and_grads(model_runner(model, x), flat, trainable, mode)
+        want_state[mode] = save_state(state)
     load_state(state, initial)
     inference = keras.tree.flatten(model(x))
     assert checkpoint(model) is model
     assert _recomputing(model, x) >= blocks
     for got_output, want_output in zip(keras.tree.flatten(model(x)), inference):
         np.testing.assert_allclose(got_output, want_output, rtol=1e-5, atol=1e-6)
-    load_state(state, initial)
-    got = forward_and_grads(model_runner(model, x), flat, trainable, mode)
-    assert_close_per_tensor(got, want, rtol=rtol)
-    assert_close_per_tensor(save_state(state), want_state)
+    for mode in modes:
+        load_state(state, initial)
+        got = forward_and_grads(model_runner(model, x), flat, trainable, mode)
+        assert_close_per_tensor(got, want[mode], rtol=rtol, what=f"{mode}: ")
+        assert_close_per_tensor(save_state(state), want_state[mode], what=f"{mode} state: ")
 
 
-def _assert_sqrt_trains_like_the_original(model, x, mode, *, rtol=1e-5, blocks=1):
+def _assert_sqrt_trains_like_the_original(model, x, modes, *, rtol=1e-5, blocks=1):
     """Gradients and state of `model` after a sqrt rewrite equal those before it."""
 
     def sqrt(m):
@@ -110,7 +116,7 @@ def _assert_sqrt_trains_like_the_original(model, x, mode, *, rtol=1e-5, blocks=1
         assert plan.segments
         return tfrecompute.recompute(m, plan)
 
-    assert_trains_like_before(model, x, mode, sqrt, rtol=rtol, blocks=blocks)
+    assert_trains_like_before(model, x, modes, sqrt, rtol=rtol, blocks=blocks)
 
 
 # keras.applications models at random init have gradients up to 1e8: the model
@@ -120,13 +126,12 @@ MORE_RTOL = {"mobilenet_v3_small": 1e-4, "convnext_tiny": 1e-4}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", list(any_models.MORE_MODELS))
-def test_more_models_train_like_the_original(name, mode):
+def test_more_models_train_like_the_original(name):
     keras.utils.set_random_seed(0)
     model, (x, _) = any_models.MORE_MODELS[name]()
     model(x)
-    _assert_sqrt_trains_like_the_original(model, x, mode, rtol=MORE_RTOL.get(name, 1e-5), blocks=2)
+    _assert_sqrt_trains_like_the_original(model, x, MODES, rtol=MORE_RTOL.get(name, 1e-5), blocks=2)
 
 
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
