@@ -157,8 +157,10 @@ def chain_of(
     policy: Any = None,
 ) -> strategies.Chain:
     """The model's cost chain at the sample's shapes (NOTE [ The pipeline ]): traced and
-    priced once per model and input signature while the chain is in use."""
-    key = _key(model, sample, batch_size, depth, where, policy)
+    priced once per model and input signature while the chain is in use. A policy that
+    gives no state (None, "nothing") keys the same chain."""
+    states = planned_policies(api, policy) or None
+    key = _key(model, sample, batch_size, depth, where, states)
     known = _chains.get(model, {}).get(key) if key is not None else None
     chain = known() if known is not None else None
     if chain is not None:

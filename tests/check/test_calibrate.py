@@ -141,6 +141,10 @@ def test_a_plan_says_how_its_memory_was_predicted_and_a_chain_is_measured_once()
     assert "Memory calibrated by a measured step storing everything: " in summary
     again = tfrecompute.plan(model, "sqrt", budget=0.9, sample=sample, calibrate=True)
     assert again.chain is first.chain  # measured once while the calibrated chain is in use
+    # policy="nothing" plans the same chain as None (no policy state), so it is not measured
+    # again either
+    whole = tfrecompute.plan(model, budget=0.9, sample=sample, calibrate=True, policy="nothing")
+    assert whole.chain is first.chain
 
 
 @pytest.mark.parametrize(
