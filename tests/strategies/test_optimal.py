@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from fractions import Fraction
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -303,6 +304,42 @@ def test_a_calibrated_chains_least_peak_is_the_plan_of_the_least_replayed_peak()
     unreplayable = calibrated({}, least.segments)
     assert plan_within("plan", optimal, unreplayable, None, None).segments == least.segments
     assert plan_within("plan", sqrt, calibrated({least.segments: 0}), None, None) == root
+
+
+def test_a_calibrated_chains_plan_under_a_budget_is_the_cheapest_whose_reconciled_peak_fits():
+    from tfrecompute.strategies import frontier, plan_within, sqrt
+    from tfrecompute.strategies.optimize import REPLAYED_WITHIN
+
+    chain = Chain.homogeneous(64, activation_bytes=100)
+    limit = (min_peak(chain) + none(chain).peak_bytes) // 2
+    made = optimal(chain, limit)
+    above = [
+        p for p in frontier(chain) if made.peak_bytes < p.peak_bytes <= limit * REPLAYED_WITHIN
+    ]
+    assert len(above) >= 3  # plans predicted a little over the limit, each cheaper
+
+    def planned(replayed: dict, *unreplayable: tuple[int, int]) -> Any:
+        calibrated = dataclasses.replace(chain, calibration=_Replays(replayed, unreplayable))
+        return plan_within("plan", optimal, calibrated, limit, 0)
+
+    def low(plans) -> dict:  # replayed at 80%: reconciled at 88% of the predicted peak
+        return {p.segments: p.peak_bytes * 8 // 10 for p in plans}
+
+    # Replayed where the chain predicts them: the chain's plan.
+    assert planned({}).segments == made.segments
+    # All replayed low: the cheapest predicted within REPLAYED_WITHIN of the limit, not
+    # one above it even when its replay fits.
+    farther = [p for p in frontier(chain) if p.peak_bytes > limit * REPLAYED_WITHIN]
+    chosen = planned(low(above + farther))
+    assert chosen.segments == above[-1].segments and chosen.peak_bytes > limit
+    assert chosen.reconciled_peak_bytes <= limit
+    # Only the lower ones replayed low: the cheapest of them.
+    assert planned(low(above[:2])).segments == above[1].segments
+    # Not calibrated, the chain's plan unreplayable, another strategy: the chain's plan.
+    assert plan_within("plan", optimal, chain, limit, 0).segments == made.segments
+    assert planned(low(above), *made.segments).segments == made.segments
+    calibrated = dataclasses.replace(chain, calibration=_Replays(low(above)))
+    assert plan_within("plan", sqrt, calibrated, limit, 0) == sqrt(chain, limit)
 
 
 def test_a_calibrated_plans_prediction_is_kept_between_its_replay_and_the_margin_above():

@@ -11,7 +11,7 @@ from typing import Any
 from tfrecompute._messages import fail, received
 from tfrecompute.errors import InfeasibleBudgetError
 from tfrecompute.strategies.chain import Chain
-from tfrecompute.strategies.optimize import least_replayed, optimal
+from tfrecompute.strategies.optimize import fullest_replayed, least_replayed, optimal
 from tfrecompute.strategies.plan import Plan, chain_budget
 from tfrecompute.strategies.units import budget_share, format_budget, format_size
 
@@ -76,7 +76,9 @@ def plan_within(
     The strategy gets `floor(budget * (1 - headroom))` bytes (NOTE [ Budget
     headroom ]). Without a budget it gets none, and `headroom` must be None; `optimal`'s
     plan of a calibrated chain is then the one of the least replayed peak (NOTE [ The
-    least peak of a calibrated chain ] in `optimize`).
+    least peak of a calibrated chain ] in `optimize`). With a budget, `optimal`'s plan of
+    a calibrated chain is the cheapest found whose reconciled peak fits (NOTE [ A
+    calibrated chain's plan under a budget ] in `optimize`).
 
     Args:
         api: the public function, for error messages.
@@ -119,7 +121,7 @@ def plan_within(
     share = headroom_of(api, budget, headroom, chain)
     planned = math.floor(total * (1 - share))
     try:
-        return strategy(chain, budget=max(planned, 1))
+        made = strategy(chain, budget=max(planned, 1))
     except InfeasibleBudgetError as error:
         least = math.ceil(error.minimum / (1 - share))
         message = (
@@ -131,6 +133,7 @@ def plan_within(
             f"least {format_size(least)}, lower the headroom, or reduce the batch size."
         )
         raise InfeasibleBudgetError(message, budget=total, minimum=least) from None
+    return fullest_replayed(chain, made, max(planned, 1)) if strategy is optimal else made
 
 
 def headroom_of(api: str, budget: object, headroom: object, chain: Chain | None = None) -> Fraction:
