@@ -60,7 +60,10 @@ peak (NOTE [ Calibrating against a measured step ] in
 tfrecompute/check/calibrate.py): the rounding of that step is in the
 prediction, and what is left is how much one plan's peak varies from step to
 step, about 10% (the margin a verified plan keeps, NOTE [ Re-planning with
-the measured correction ]).
+the measured correction ]). `optimal` holds a calibrated plan's reconciled
+prediction to the budget less this headroom, and its chain prediction to the
+budget itself (NOTE [ A calibrated chain's plan under a budget ] in
+`optimize`).
 """
 
 
@@ -77,8 +80,9 @@ def plan_within(
     headroom ]). Without a budget it gets none, and `headroom` must be None; `optimal`'s
     plan of a calibrated chain is then the one of the least replayed peak (NOTE [ The
     least peak of a calibrated chain ] in `optimize`). With a budget, `optimal`'s plan of
-    a calibrated chain is the cheapest found whose reconciled peak fits (NOTE [ A
-    calibrated chain's plan under a budget ] in `optimize`).
+    a calibrated chain can be a cheaper one predicted above the reduced budget, up to
+    the budget, whose reconciled peak fits it (NOTE [ A calibrated chain's plan under a
+    budget ] in `optimize`).
 
     Args:
         api: the public function, for error messages.
@@ -91,7 +95,7 @@ def plan_within(
             share in `[0, 1)`.
 
     Returns:
-        The strategy's plan.
+        The strategy's plan (or, for `optimal` on a calibrated chain, the one above).
 
     Raises:
         TypeError: `budget` or `headroom` has the wrong type.
@@ -133,7 +137,7 @@ def plan_within(
             f"least {format_size(least)}, lower the headroom, or reduce the batch size."
         )
         raise InfeasibleBudgetError(message, budget=total, minimum=least) from None
-    return fullest_replayed(chain, made, max(planned, 1)) if strategy is optimal else made
+    return fullest_replayed(chain, made, max(planned, 1), total) if strategy is optimal else made
 
 
 def headroom_of(api: str, budget: object, headroom: object, chain: Chain | None = None) -> Fraction:
