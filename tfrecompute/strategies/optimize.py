@@ -234,10 +234,10 @@ def fullest_replayed(chain: Chain, made: Plan, limit: int, ceiling: int) -> Plan
     Under a budget, `optimal`'s plan is the cheapest the chain predicts
     within `limit` (the budget less its headroom). Where the chain
     over-predicts, that plan recomputes more than the budget needs: on the
-    held-out InceptionV3 (benchmarks/results/held_out.md) the calibrated
-    plan was predicted at 90% of its budget and measured 80%, and plans
-    predicted at up to 99% of it replayed at 82% and recomputed 7.5 times
-    less. So with `optimal` (`plan_within`: `plan`, `recompute` and the
+    held-out InceptionV3 the calibrated plan was predicted at 90% of its
+    budget and measured 80%; planned as below, one predicted at 98% and
+    reconciled at 89% measured 86%, with 17 segments instead of 22
+    (benchmarks/results/held_out.md and docs/benchmarks.md). So with `optimal` (`plan_within`: `plan`, `recompute` and the
     command line with a budget, `calibrate=True` and the default strategy
     without `where=`, or `"optimal"`), a calibrated chain's plan is the
     cheapest found whose reconciled peak (`Plan.reconciled_peak_bytes`: the
@@ -249,9 +249,8 @@ def fullest_replayed(chain: Chain, made: Plan, limit: int, ceiling: int) -> Plan
     leaves no room above `limit`). Storing everything is not one of them
     (the calibration measured it; its replay is not weighed against
     that). They are found by bisecting the predicted peak to within
-    `BISECTED_TO` of `limit` (a few `optimal` searches and replays; listing
-    the whole frontier of InceptionV3's 213 links took 6.6 CPU seconds),
-    which assumes a reconciled peak grows with the predicted one: a plan
+    `BISECTED_TO` of `limit` (a few `optimal` searches and replays, rather
+    than listing the whole frontier), which assumes a reconciled peak grows with the predicted one: a plan
     the bisection skips may have fitted, but the plan returned has been
     checked to fit. The headroom then covers the reconciled prediction's
     error and a step's variation, no longer the chain's over-prediction.
