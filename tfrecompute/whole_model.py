@@ -414,10 +414,8 @@ _SHARED_ARGS = """
             chunks: the predicted peak stays under `budget * (1 - headroom)`
             (default `strategies.DEFAULT_HEADROOM`, 0.3; 0.1 calibrated,
             `strategies.CALIBRATED_HEADROOM`; and 0 for a share
-            of storing everything; 0 plans to the budget itself). Calibrated,
-            `optimal` holds the reconciled peak there and the chain's
-            prediction under the budget (`plan.reconciled_peak_bytes`). Only
-            with a budget.
+            of storing everything; 0 plans to the budget itself). Only with
+            a budget.
         depth: how many levels of nested calls to look into below the
             model's own (None: as deep as they can be checkpointed; 0: the
             model's own calls only).

@@ -209,20 +209,3 @@ def test_a_calibrated_budget_keeps_a_tenth_for_the_variation_between_steps():
     assert tfrecompute.plan(model, budget=budget, sample=sample).segments
     assert headroom_of("plan", budget, None, calibrated) == pytest.approx(0.1)
     assert headroom_of("plan", budget, None, calibrated.calibration.traced) == pytest.approx(0.3)
-
-
-@pytest.mark.parametrize("share", [0.75, 0.9])
-def test_a_calibrated_budgets_plan_fits_by_its_reconciled_peak_and_costs_no_more(share):
-    """Whether or not a plan above the reduced budget is taken (NOTE [ A calibrated
-    chain's plan under a budget ]): its reconciled peak fits the budget less 10% or it is
-    the chain's own plan, its prediction fits the budget, and it recomputes no more."""
-    model, sample = _cnn(blocks=6)
-    chain = tfrecompute.plan(model, "none", sample=sample, calibrate=True).chain
-    stored = strategies.none(chain).peak_bytes
-    budget = int(stored * share / 0.9)
-    limit = int(budget * 0.9)
-    plan = tfrecompute.plan(model, budget=budget, sample=sample, calibrate=True)
-    own = strategies.optimal(chain, limit)
-    assert plan.chain is chain and plan.peak_bytes <= budget
-    assert plan.recompute_cost <= own.recompute_cost
-    assert plan.segments == own.segments or plan.reconciled_peak_bytes <= limit

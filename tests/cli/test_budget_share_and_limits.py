@@ -125,23 +125,3 @@ def test_max_batch_says_when_it_stopped_at_its_limit(saved, capsys):
         "--limit 8, so 8 is the largest tried, not the largest that fits"
     ) in captured.out
     assert "Pass a larger --limit to search further." in captured.out  # fmt: skip
-
-
-def test_plan_says_why_a_calibrated_plan_is_predicted_above_the_bytes_it_was_planned_in():
-    import dataclasses
-
-    from tfrecompute.cli.command import _reconciled_within
-
-    class Replayed:  # a calibration's stand-in: every plan replays at 80% of its prediction
-        def replayed_peak_bytes(self, plan):
-            return plan.peak_bytes * 8 // 10
-
-    chain = strategies.Chain.homogeneous(64, activation_bytes=100)
-    calibrated = dataclasses.replace(chain, calibration=Replayed())
-    plan = strategies.plan_within("tfrecompute plan", strategies.optimal, calibrated, 4500, 0.1)
-    assert plan.peak_bytes > 4050 >= plan.reconciled_peak_bytes  # 4500 less 10%
-    said = _reconciled_within(plan, 4050)
-    fmt = strategies.format_bytes
-    assert f"at {fmt(plan.peak_bytes)}, and its reconciled peak within it, at " in said
-    assert fmt(plan.reconciled_peak_bytes) in said
-    assert _reconciled_within(strategies.optimal(chain, 4050), 4050) == ""

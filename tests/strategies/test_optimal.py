@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import random
 from fractions import Fraction
-from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -305,75 +303,6 @@ def test_a_calibrated_chains_least_peak_is_the_plan_of_the_least_replayed_peak()
     unreplayable = calibrated({}, least.segments)
     assert plan_within("plan", optimal, unreplayable, None, None).segments == least.segments
     assert plan_within("plan", sqrt, calibrated({least.segments: 0}), None, None) == root
-
-
-class _ReplayedAt:
-    """A calibration's stand-in: replays a plan at `replayed(plan)` (None: no replay)."""
-
-    def __init__(self, replayed) -> None:
-        self.replayed_peak_bytes = replayed
-
-
-def test_a_calibrated_chains_plan_under_a_budget_is_the_cheapest_whose_reconciled_peak_fits():
-    from tfrecompute.strategies import frontier, plan_within, sqrt
-    from tfrecompute.strategies.optimize import REPLAYED_WITHIN
-
-    chain = Chain.homogeneous(64, activation_bytes=100)
-    limit = (min_peak(chain) + none(chain).peak_bytes) // 2
-    budget = limit * 2  # planned with headroom=0.5: the budget is no ceiling here
-    made = optimal(chain, limit)
-    above = [p for p in frontier(chain) if made.peak_bytes < p.peak_bytes]
-    within = [p for p in above if p.peak_bytes <= limit * REPLAYED_WITHIN]
-    assert 3 <= len(within) < len(above)  # plans predicted a little over the limit, cheaper
-
-    def planned(replayed, on: Chain = chain, **how) -> Any:
-        calibrated = dataclasses.replace(on, calibration=_ReplayedAt(replayed))
-        return plan_within("plan", optimal, calibrated, how.get("budget", budget),
-                           how.get("headroom", 0.5))  # fmt: skip
-
-    def low_up_to(most: float):  # replayed at 80% (reconciled at 88% of the prediction)
-        return lambda p: p.peak_bytes * 8 // 10 if p.peak_bytes <= most else p.peak_bytes
-
-    # Replayed where the chain predicts them: the chain's plan.
-    assert planned(lambda p: p.peak_bytes).segments == made.segments
-    # All replayed low: the cheapest predicted within REPLAYED_WITHIN of the limit, not
-    # one above it even when its replay fits.
-    chosen = planned(low_up_to(math.inf))
-    assert chosen.peak_bytes == within[-1].peak_bytes > limit
-    assert chosen.recompute_cost == within[-1].recompute_cost
-    assert chosen.reconciled_peak_bytes <= limit
-    # Only the lower ones replayed low: the cheapest of them.
-    assert planned(low_up_to(within[1].peak_bytes)).peak_bytes == within[1].peak_bytes
-    # Replayed under the limit but reconciled over it (the replay plus REPLAY_MARGIN): not.
-    assert planned(lambda p: min(p.peak_bytes, limit * 95 // 100)).segments == made.segments
-    # The budget itself bounds the chain's prediction: with no headroom, or a share of
-    # storing everything (planned without one), nothing above the limit.
-    assert planned(low_up_to(math.inf), budget=limit, headroom=0).segments == made.segments
-    share = limit / none(chain).peak_bytes
-    shared = planned(low_up_to(math.inf), budget=share, headroom=None)
-    assert shared.segments == optimal(chain, int(none(chain).peak_bytes * share)).segments
-    # Not calibrated, the chain's plan unreplayable, another strategy: the chain's plan.
-    assert plan_within("plan", optimal, chain, budget, 0.5).segments == made.segments
-    assert planned(lambda p: None if p == made else p.peak_bytes // 2).segments == made.segments
-    calibrated = dataclasses.replace(chain, calibration=_ReplayedAt(low_up_to(math.inf)))
-    assert plan_within("plan", sqrt, calibrated, budget, 0.5) == sqrt(chain, limit)
-    # With policy states (their plans have no replay): the chain's plan.
-    states = dataclasses.replace(chain, policy_kept_bytes=[50] * 64, policy_forward_cost=[0.5] * 64)
-    assert planned(low_up_to(math.inf), on=states) == optimal(states, limit)
-
-
-def test_a_calibrated_budget_never_chooses_storing_everything_by_its_replay():
-    from tfrecompute.strategies import plan_within
-
-    chain = Chain.homogeneous(8, activation_bytes=100)
-    stored = none(chain).peak_bytes
-    limit = stored * 95 // 100  # storing everything is predicted 5% above
-    made = optimal(chain, limit)
-    assert made.segments
-    # Storing everything replayed at 80% (reconciled 88% of its prediction): still not.
-    stand_in = _ReplayedAt(lambda p: p.peak_bytes * 8 // 10 if not p.segments else p.peak_bytes)
-    calibrated = dataclasses.replace(chain, calibration=stand_in)
-    assert plan_within("plan", optimal, calibrated, limit * 2, 0.5).segments
 
 
 def test_a_calibrated_plans_prediction_is_kept_between_its_replay_and_the_margin_above():

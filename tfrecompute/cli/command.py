@@ -672,23 +672,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(
             f"Budget: {format_budget(args.budget, planned.total)}, planned within "
             f"{fmt(planned.planned)} ({1 - planned.planned / planned.total:.0%} headroom for "
-            f"the allocator){_reconciled_within(plan, planned.planned)}"
+            "the allocator)"
         )
     _say_stored(plan, args)
     return 0
-
-
-def _reconciled_within(plan: strategies.Plan, planned: int) -> str:
-    """What a calibrated plan predicted above the bytes it was planned in fits them by
-    (NOTE [ A calibrated chain's plan under a budget ]); empty for any other plan."""
-    if plan.peak_bytes <= planned:
-        return ""
-    fmt = strategies.format_bytes
-    return (
-        f"; the calibrated chain predicts this plan above that, at {fmt(plan.peak_bytes)}, "
-        f"and its reconciled peak within it, at {fmt(plan.reconciled_peak_bytes)} (the "
-        "prediction kept at most 10% above the plan's replayed step)"
-    )
 
 
 def _say_stored(plan: strategies.Plan, args: argparse.Namespace) -> None:

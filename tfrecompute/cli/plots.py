@@ -37,9 +37,7 @@ class Budget:
     Attributes:
         text: the budget as the user wrote it, e.g. `"2GiB"`.
         total: the budget in bytes.
-        planned: the bytes the plan had to fit (the budget less its headroom; a
-            calibrated `optimal` plan's reconciled peak, its predicted peak up to the
-            budget).
+        planned: the bytes the plan had to fit (the budget less its headroom).
     """
 
     text: str

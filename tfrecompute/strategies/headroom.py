@@ -11,7 +11,7 @@ from typing import Any
 from tfrecompute._messages import fail, received
 from tfrecompute.errors import InfeasibleBudgetError
 from tfrecompute.strategies.chain import Chain
-from tfrecompute.strategies.optimize import fullest_replayed, least_replayed, optimal
+from tfrecompute.strategies.optimize import least_replayed, optimal
 from tfrecompute.strategies.plan import Plan, chain_budget
 from tfrecompute.strategies.units import budget_share, format_budget, format_size
 
@@ -60,10 +60,7 @@ peak (NOTE [ Calibrating against a measured step ] in
 tfrecompute/check/calibrate.py): the rounding of that step is in the
 prediction, and what is left is how much one plan's peak varies from step to
 step, about 10% (the margin a verified plan keeps, NOTE [ Re-planning with
-the measured correction ]). `optimal` holds a calibrated plan's reconciled
-prediction to the budget less this headroom, and its chain prediction to the
-budget itself (NOTE [ A calibrated chain's plan under a budget ] in
-`optimize`).
+the measured correction ]).
 """
 
 
@@ -79,10 +76,7 @@ def plan_within(
     The strategy gets `floor(budget * (1 - headroom))` bytes (NOTE [ Budget
     headroom ]). Without a budget it gets none, and `headroom` must be None; `optimal`'s
     plan of a calibrated chain is then the one of the least replayed peak (NOTE [ The
-    least peak of a calibrated chain ] in `optimize`). With a budget, `optimal`'s plan of
-    a calibrated chain can be a cheaper one predicted above the reduced budget, up to
-    the budget, whose reconciled peak fits it (NOTE [ A calibrated chain's plan under a
-    budget ] in `optimize`).
+    least peak of a calibrated chain ] in `optimize`).
 
     Args:
         api: the public function, for error messages.
@@ -95,7 +89,7 @@ def plan_within(
             share in `[0, 1)`.
 
     Returns:
-        The strategy's plan (or, for `optimal` on a calibrated chain, the one above).
+        The strategy's plan.
 
     Raises:
         TypeError: `budget` or `headroom` has the wrong type.
@@ -125,7 +119,7 @@ def plan_within(
     share = headroom_of(api, budget, headroom, chain)
     planned = math.floor(total * (1 - share))
     try:
-        made = strategy(chain, budget=max(planned, 1))
+        return strategy(chain, budget=max(planned, 1))
     except InfeasibleBudgetError as error:
         least = math.ceil(error.minimum / (1 - share))
         message = (
@@ -137,7 +131,6 @@ def plan_within(
             f"least {format_size(least)}, lower the headroom, or reduce the batch size."
         )
         raise InfeasibleBudgetError(message, budget=total, minimum=least) from None
-    return fullest_replayed(chain, made, max(planned, 1), total) if strategy is optimal else made
 
 
 def headroom_of(api: str, budget: object, headroom: object, chain: Chain | None = None) -> Fraction:

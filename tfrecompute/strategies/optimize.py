@@ -37,12 +37,10 @@ from tfrecompute.strategies.plan import Budget, Plan, chain_budget, infeasible
 from tfrecompute.strategies.simulate import check_chain, estimate
 
 __all__ = [
-    "BISECTED_TO",
     "DEFAULT_MAX_WORK",
     "REPLAYED_AT_MOST",
     "REPLAYED_WITHIN",
     "frontier",
-    "fullest_replayed",
     "least_replayed",
     "min_peak",
     "optimal",
@@ -173,12 +171,7 @@ def frontier(chain: Chain, *, max_work: int | None = DEFAULT_MAX_WORK) -> list[P
 
 REPLAYED_WITHIN = 1.1
 """`least_replayed` replays the frontier's plans predicted within this factor of the least
-peak, at most `REPLAYED_AT_MOST` of them (those of the lowest predicted peaks);
-`fullest_replayed` those predicted within this factor of the bytes a budget leaves."""
-
-BISECTED_TO = 0.005
-"""`fullest_replayed` bisects the predicted peak until its interval is this share of the
-bytes a budget leaves."""
+peak, at most `REPLAYED_AT_MOST` of them (those of the lowest predicted peaks)."""
 
 REPLAYED_AT_MOST = 64
 """The most frontier plans `least_replayed` replays."""
@@ -226,61 +219,6 @@ def least_replayed(chain: Chain, least: Plan) -> Plan:
         if (replayed := plan.replayed_peak_bytes) is not None
     ]
     return candidates[min(scored)[2]]
-
-
-def fullest_replayed(chain: Chain, made: Plan, limit: int, ceiling: int) -> Plan:
-    """NOTE [ A calibrated chain's plan under a budget ]
-
-    Under a budget, `optimal`'s plan is the cheapest the chain predicts
-    within `limit` (the budget less its headroom). Where the chain
-    over-predicts, that plan recomputes more than the budget needs: on the
-    held-out InceptionV3 the calibrated plan was predicted at 90% of its
-    budget and measured 80%; planned as below, one predicted at 98% and
-    reconciled at 89% measured 86%, with 17 segments instead of 22
-    (benchmarks/results/held_out.md and docs/benchmarks.md). So with `optimal` (`plan_within`: `plan`, `recompute` and the
-    command line with a budget, `calibrate=True` and the default strategy
-    without `where=`, or `"optimal"`), a calibrated chain's plan is the
-    cheapest found whose reconciled peak (`Plan.reconciled_peak_bytes`: the
-    chain's prediction kept between the replay and `REPLAY_MARGIN` above
-    it, NOTE [ Reconciling a prediction with its replay ] in `plan.py`)
-    fits `limit`, of `made` and the plans `optimal` makes for predicted
-    peaks up to `REPLAYED_WITHIN` times `limit`, and never above `ceiling`
-    (the budget itself: a share of storing everything, or `headroom=0`,
-    leaves no room above `limit`). Storing everything is not one of them
-    (the calibration measured it; its replay is not weighed against
-    that). They are found by bisecting the predicted peak to within
-    `BISECTED_TO` of `limit` (a few `optimal` searches and replays, rather
-    than listing the whole frontier), which assumes a reconciled peak grows with the predicted one: a plan
-    the bisection skips may have fitted, but the plan returned has been
-    checked to fit. The headroom then covers the reconciled prediction's
-    error and a step's variation, no longer the chain's over-prediction.
-    `made` stays where the chain cannot be replayed (not calibrated, or
-    with policy states, whose plans have no replay), and where nothing
-    cheaper fits (its own reconciled peak is not checked).
-
-    Args:
-        chain: the chain `made` was planned on.
-        made: `optimal(chain, limit)`.
-        limit: the bytes the plan must fit.
-        ceiling: the most bytes the chain may predict for the plan.
-
-    Returns:
-        The cheapest plan found whose reconciled peak fits `limit`, or `made`.
-    """
-    if chain.has_policy or made.replayed_peak_bytes is None:
-        return made
-    found, low = made, made.peak_bytes
-    high = min(int(limit * REPLAYED_WITHIN), ceiling, estimate(chain, ())[0] - 1)
-    while high - low > limit * BISECTED_TO:
-        middle = (low + high) // 2
-        plan = optimal(chain, middle)
-        if plan.segments and plan.reconciled_peak_bytes <= limit:
-            low = middle
-            if plan.recompute_cost < found.recompute_cost:
-                found = plan
-        else:
-            high = middle
-    return found
 
 
 def _three_state(chain: Chain, limit: int, *, least: bool) -> Plan:
