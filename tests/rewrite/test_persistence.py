@@ -421,11 +421,9 @@ class _Interrupt(keras.callbacks.Callback):
 # model (no other fit here leaves any: counted after each). Freeing one waits for a
 # tf.data thread to wake (the autotuner's, in a stack taken during a wait), which
 # sleeps twice as long at each wake, up to a minute: collected at the end of each test,
-# as this file used to, they held single teardowns for up to 79 s (79, 37 and 24 s in
-# one run of this file; 28 to 38 s in a full suite run). Collected right away, while
-# young, they held a collection for 10 s at most (two runs). Nothing else here needs a
-# collection of its own: left to Python's own collections, the file spent 26 s less CPU
-# in them than in one after each test.
+# as this file used to, they held single teardowns for tens of seconds. They are freed
+# right away, while young, here; nothing else in this file needs a collection of its
+# own.
 
 
 def _resumed(case: Case, *, checkpointed: bool, folder: Any, save_freq: Any) -> keras.Model:

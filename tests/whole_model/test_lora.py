@@ -125,7 +125,7 @@ def _recomputing(model: keras.Model, x: Any) -> int:
 # once per module, in the order a case computes it (runs, then `fit`; or `fit` alone),
 # and kept as numbers; so is the checkpointed model of the gradient test, whose runs
 # each restore its seed states first and change no weight. The fit tests build their
-# checkpointed models afresh. This file alone: 417 s before sharing, 347 s after.
+# checkpointed models afresh.
 
 
 @pytest.fixture(scope="module")
