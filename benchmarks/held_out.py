@@ -12,7 +12,9 @@ For each model and plan (`none`; the default, `recompute(model, sample=...)`;
 `sqrt`; `optimal` under a budget halfway between the least peak a plan
 reaches and storing everything, as `prediction_accuracy.py` sets it, with
 whole segments; on the four keras-hub models also `optimal+policies`, the
-same budget's default there, which weighs the attention and dots states), one
+same budget's default there, which weighs the attention and dots states; and
+`next-up`, calibrated only: the plan of the chain's frontier just above the
+one the budget's default chose, which the headroom ruled out), one
 fresh process builds the model (seed 0), plans, applies the plan and
 measures compiled training steps: the allocator's peak (`measure_step`) and
 the largest requested peak of two traced steps (`trace_step`; what the
@@ -38,6 +40,7 @@ Writes `held_out.json` and `held_out.md` to benchmarks/results/.
     python benchmarks/held_out.py                      # every model, about an hour on 2 cores
     python benchmarks/held_out.py --models gru_lm unet
     python benchmarks/held_out.py --models opt electra --plans optimal+policies
+    python benchmarks/held_out.py --models gru_lm --plans optimal next-up
     python benchmarks/held_out.py --spread 5           # storing everything, 5 processes each
     python benchmarks/held_out.py --spread 3 --spread-plan default
     python benchmarks/held_out.py --smoke              # one small model, a temporary folder
@@ -65,10 +68,14 @@ from benchmarks import _report  # noqa: E402
 from tfrecompute.strategies import REPLAY_MARGIN, reconciled_peak  # noqa: E402
 
 NAME = "held_out"
-PLANS = ("none", "default", "sqrt", "optimal", "optimal+policies")
+PLANS = ("none", "default", "sqrt", "optimal", "optimal+policies", "next-up")
 # `optimal` plans whole segments (`policy="nothing"`); `optimal+policies` is what a budget
 # plans by default on a model holding attention layers (NOTE [ Policy states under a
-# budget ] in tfrecompute/pipeline.py), measured on those models only.
+# budget ] in tfrecompute/pipeline.py), measured on those models only. `next-up`: of the
+# calibrated chain's frontier, the plan just above the one the budget's default chose
+# (its least-cost plan with a higher predicted peak), measured calibrated only: whether a
+# plan the headroom ruled out would have used 85% to 105% of the budget.
+APART = ("optimal+policies", "next-up")  # summarised apart from the first four plans
 ATTENTION_MODELS = ("gpt_neox", "mistral", "opt", "electra")
 MEMORY = ("traced", "calibrated")  # how each plan's memory is predicted
 SMOKE_PLANS = ("none", "sqrt")
@@ -272,10 +279,16 @@ def measure(name: str, plan_name: str, memory: str, smoke: bool) -> dict[str, An
     start = time.process_time()
     plan, chain, budget = _planned(model, x, y, plan_name, memory == "calibrated")
     stored = strategies.none(chain).peak_bytes
+    frontier = strategies.frontier(plan.chain) if budget else []  # the plans it chose among
+    chosen = plan
+    if plan_name == "next-up":
+        higher = [p for p in frontier if p.peak_bytes > plan.peak_bytes]
+        if not higher:
+            raise RuntimeError(f"{name}: the budget's plan is the frontier's highest")
+        plan = min(higher, key=_peak)
     tfrecompute.recompute(model, plan)
     planning = time.process_time() - start
     replayed = plan.replayed_peak_bytes
-    frontier = strategies.frontier(plan.chain) if budget else []  # the plans it chose among
     above = [p.peak_bytes for p in frontier if p.peak_bytes > plan.peak_bytes]
     step = tfrecompute.measure_step(model, x, y)
     traced = [tfrecompute.trace_step(model, x, y, warmup=1) for _ in range(TRACES)]
@@ -297,8 +310,13 @@ def measure(name: str, plan_name: str, memory: str, smoke: bool) -> dict[str, An
         "replayed_error": None if replayed is None else replayed / max(step.peak_bytes, 1) - 1,
         "budget_bytes": budget,
         "next_predicted_bytes": min(above, default=None),
+        "chosen_predicted_bytes": chosen.peak_bytes,
         "planning_cpu_seconds": planning,
     }
+
+
+def _peak(plan: Any) -> int:
+    return int(plan.peak_bytes)
 
 
 def _planned(model: Any, x: Any, y: Any, plan_name: str, calibrate: bool) -> tuple[Any, ...]:
@@ -310,13 +328,14 @@ def _planned(model: Any, x: Any, y: Any, plan_name: str, calibrate: bool) -> tup
 
     chain = tfrecompute.plan(model, "none", sample=(x, y), calibrate=calibrate).chain
     budget = None
-    if plan_name.startswith("optimal"):
+    if plan_name.startswith("optimal") or plan_name == "next-up":
         halfway = (strategies.min_peak(chain) + strategies.none(chain).peak_bytes) // 2
         headroom = strategies.CALIBRATED_HEADROOM if calibrate else strategies.DEFAULT_HEADROOM
         # Exact: `plan_within` plans floor(budget * (1 - Fraction(headroom))) >= halfway.
         budget = math.ceil(halfway / (1 - Fraction(headroom)))
     strategy = {"none": "none", "default": None, "sqrt": "sqrt"}.get(plan_name, "optimal")
     policy = "nothing" if plan_name == "optimal" else None  # the budget's default otherwise
+    # next-up: the budget's default plan, whose next plan up `measure` applies
     plan = tfrecompute.plan(
         model, strategy, budget=budget, sample=(x, y), calibrate=calibrate, policy=policy
     )
@@ -529,7 +548,7 @@ def _markdown(
         "summary lines before the table leave *optimal+policies* out, measured later and apart.",
         "",
     ]
-    lines += _accuracy_lines([r for r in rows if r["plan"] != "optimal+policies"])
+    lines += _accuracy_lines([r for r in rows if r["plan"] not in APART])
     lines += _added_lines([r for r in rows if r["plan"] == "optimal+policies"])
     lines += [
         "",
@@ -540,7 +559,8 @@ def _markdown(
     ]
     for r in rows:
         lines.append(_row(r))
-    lines += ["", *_above_storing_everything(rows), *_budget_lines(rows), *_spread_lines(spread)]
+    lines += ["", *_above_storing_everything(rows), *_budget_lines(rows), *_next_up_lines(rows)]
+    lines += _spread_lines(spread)
     if failed:
         lines += [
             "",
@@ -618,6 +638,45 @@ def _budget_lines(rows: list[dict[str, Any]]) -> list[str]:
     return lines if len(lines) > 3 else []
 
 
+def _next_up_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Per model with a `next-up` row: the budget's calibrated default plan and the next
+    plan up, each measured against the budget, and whether either used 85% to 105% of it."""
+    calibrated = [r for r in rows if r.get("memory", "traced") == "calibrated"]
+    chosen = {
+        r["model"]: r
+        for plan in ("optimal", "optimal+policies")  # the budget's default: policies last
+        for r in calibrated
+        if r["plan"] == plan
+    }
+    lines = []
+    for r in (r for r in calibrated if r["plan"] == "next-up" and r["model"] in chosen):
+        budget, first = r["budget_bytes"], chosen[r["model"]]
+        used = first["measured_bytes"] / budget, r["measured_bytes"] / budget
+        named = zip(("the plan chosen", "the next plan up"), used)
+        within = [n for n, u in named if 0.85 <= u <= 1.05]
+        lines.append(
+            f"| {r['model']} | {first['plan']} | {first['predicted_bytes'] / budget:.0%} | "
+            f"{used[0]:.0%} | {r['predicted_bytes'] / budget:.0%} | {used[1]:.0%} | "
+            f"{', '.join(within) or 'neither'} |"
+        )
+    if not lines:
+        return []
+    return [
+        "",
+        "## The next plan up",
+        "",
+        "Under the same budget, the budget's default plan (calibrated; policies on the "
+        "attention models) and the plan of its chain's frontier just above it (the least-cost "
+        "plan with a higher predicted peak, ruled out by the 10% headroom), each measured in "
+        "a fresh process, against the budget: which of the two used 85% to 105% of it.",
+        "",
+        "| model | chosen | chosen predicted / budget | chosen measured / budget "
+        "| next up predicted / budget | next up measured / budget | 85% to 105% |",
+        "|---|---|---:|---:|---:|---:|---|",
+        *lines,
+    ]
+
+
 def _above_storing_everything(rows: list[dict[str, Any]]) -> list[str]:
     """Per memory model, the default plans that measured above storing everything."""
     lines = []
@@ -675,7 +734,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument(
         "--spread-plan",
-        choices=PLANS,
+        choices=[p for p in PLANS if p != "next-up"],
         default="none",
         help="with --spread: the plan measured (default: storing everything, traced; the "
         "others calibrated)",
@@ -749,7 +808,7 @@ def _measure_model(name: str, args: Any, new: dict[str, list[dict[str, Any]]]) -
     for plan in SMOKE_PLANS if args.smoke else (args.plans or PLANS):
         if plan == "optimal+policies" and name not in ATTENTION_MODELS:
             continue
-        for memory in MEMORY:
+        for memory in ("calibrated",) if plan == "next-up" else MEMORY:
             worker = ["--worker", name, plan, memory, *extra]
             try:
                 new["rows"].append(_report.run_worker(script, worker, timeout=1800))

@@ -151,6 +151,49 @@ def test_the_budget_section_says_where_the_next_plan_up_stood():
     ]
 
 
+def test_the_next_plan_up_is_set_beside_the_budgets_default_plan():
+    def row(model: str, plan: str, predicted: int, measured: int) -> dict:
+        return {
+            "model": model,
+            "plan": plan,
+            "memory": "calibrated",
+            "budget_bytes": 100 * MiB,
+            "predicted_bytes": predicted * MiB,
+            "measured_bytes": measured * MiB,
+        }
+
+    rows = [
+        row("rnn", "optimal", 75, 78),  # chosen under 85%, the next up over 105%
+        row("rnn", "next-up", 106, 110),
+        row("llm", "optimal", 70, 72),  # whole segments: not the budget's default here
+        row("llm", "optimal+policies", 85, 80),
+        row("llm", "next-up", 91, 86),
+        dict(row("cnn", "next-up", 95, 90), memory="traced"),  # not calibrated: left out
+    ]
+    lines = held_out._next_up_lines(rows)
+    assert lines[1] == "## The next plan up"
+    assert lines[-2:] == [
+        "| rnn | optimal | 75% | 78% | 106% | 110% | neither |",
+        "| llm | optimal+policies | 85% | 80% | 91% | 86% | the next plan up |",
+    ]
+    assert held_out._next_up_lines([r for r in rows if r["plan"] != "next-up"]) == []
+    # Kept out of the summary of the first four plans, as optimal+policies is.
+    table = held_out._markdown([dict(r, **FILLED) for r in rows], [], [])
+    assert "- calibrated: within 10% of the allocator 2 of 2 plans" in table  # both optimal
+    assert "- traced: within 10% of the allocator 0 of 0 plans" in table
+
+
+FILLED = {
+    "optimizer": "sgd",
+    "links": 4,
+    "segments": 1,
+    "requested_bytes": MiB,
+    "error": 0.0,
+    "requested_error": 0.0,
+    "planning_cpu_seconds": 1.0,
+}
+
+
 def test_the_default_plan_is_compared_with_sqrt_beside_the_measured_spread():
     def rows(plan: str, *peaks: int) -> list[dict]:
         return [{"model": "unet", "plan": plan, "measured_bytes": p * MiB} for p in peaks]
