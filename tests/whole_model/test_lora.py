@@ -94,7 +94,10 @@ def _build(
     return model, x, y, backbone
 
 
-@pytest.fixture(params=["mixed_bfloat16", "mixed_float16"])
+MIXED_POLICIES = ("mixed_bfloat16", "mixed_float16")
+
+
+@pytest.fixture
 def mixed_policy(request):
     previous = keras.config.dtype_policy()
     keras.config.set_dtype_policy(request.param)
@@ -218,25 +221,30 @@ def test_fit_moves_the_adapters_as_the_control_and_nothing_else(name, order, sha
     assert any(not np.allclose(a, b) for a, b in zip(save_state(_adapters(model)), adapters_before))
 
 
-# Without LoRA, Llama under both policies is in test_any_model.py.
-MIXED_CASES = [(name, True, "after") for name in MODELS] + [
-    ("gemma_causal_lm", True, "before"),  # the order keras-hub's fine-tuning guides use
-    ("bert_classifier", False, "after"),
-    ("gemma_causal_lm", False, "after"),
+# Every model with LoRA under both policies; the rarer cases under one each, so that
+# each policy meets LoRA first and no LoRA on some model (suite time). Without LoRA,
+# Llama under both policies is in test_any_model.py.
+MIXED_CASES = [
+    *((name, True, "after", policy) for name in MODELS for policy in MIXED_POLICIES),
+    ("gemma_causal_lm", True, "before", "mixed_float16"),  # keras-hub's guides' order
+    ("bert_classifier", False, "after", "mixed_bfloat16"),
+    ("gemma_causal_lm", False, "after", "mixed_float16"),
 ]
 
 
 @pytest.mark.parametrize(
-    ("name", "lora", "order"),
+    ("name", "lora", "order", "mixed_policy"),
     MIXED_CASES,
     ids=[
-        f"{name}-{('lora_first' if order == 'before' else 'lora') if lora else 'no_lora'}"
-        for name, lora, order in MIXED_CASES
+        f"{policy}-{name}-{('lora_first' if order == 'before' else 'lora') if lora else 'no_lora'}"
+        for name, lora, order, policy in MIXED_CASES
     ],
+    indirect=["mixed_policy"],
 )
 def test_under_a_mixed_policy_trains_as_the_control(name, lora, order, mixed_policy, shared):
-    """Each model under `mixed_bfloat16` and `mixed_float16`, with LoRA after recompute
-    (the Gemma causal LM also before), and without LoRA.
+    """Each model under `mixed_bfloat16` and `mixed_float16` with LoRA after recompute;
+    the Gemma causal LM with LoRA before recompute, and two models without LoRA, under
+    one policy each.
 
     In half precision TensorFlow fuses a model's ops differently eagerly and
     under `tf.function`, so the control alone gives other gradients in the two

@@ -46,7 +46,7 @@ REQUESTED_TOLERANCE = 0.15
 # encoder's sqrt plan measured -7% to -21% against the allocator over five runs
 # while staying at -3% against the requested peak: at its peak a 4 MiB request
 # is handed a 6.25 MiB chunk in some runs and not in others.
-TOLERANCE = {"encoder": 0.25, "mobilenet_v2": 0.4, "resnet50": 0.4, "unet": 0.4}
+TOLERANCE = {"encoder": 0.25, "unet": 0.4}
 # U-Net's sqrt plan requests one of a few peaks by the order the inter-op
 # threads run in, the largest about one step in four (a one-off count over 20
 # traced steps, in the closing note of the change that set this): the largest
@@ -61,6 +61,10 @@ SQRT_RATIO, SQRT_RATIOS = 0.75, {"unet": 0.85}
 # Memory is measured on three of the four: ResNet50's steps are the longest to
 # trace, and benchmarks/prediction_accuracy.py measures all four (its results file).
 MEASURED = sorted(set(MODELS) - {"resnet50"})
+# The predicted peak against the allocator's, with the optimal and verified plans under
+# a budget, on two of them: the encoder and U-Net, whose orders of ops move their peaks
+# (suite time; MobileNetV2's predictions are in the same benchmark's results file).
+PREDICTED = ["encoder", "unet"]
 
 
 def _batch(model, batch=BATCH):
@@ -94,8 +98,7 @@ def test_gradients_match_the_original(real):
     )
 
 
-# MobileNetV2's allocator check is its predicted-peak test below (suite time).
-@pytest.mark.parametrize("name", sorted(set(MEASURED) - {"mobilenet_v2"}))
+@pytest.mark.parametrize("name", MEASURED)
 def test_sqrt_rewrite_fits_in_less_memory(name):
     keras.utils.set_random_seed(0)
     model = MODELS[name]()
@@ -140,13 +143,13 @@ def test_generous_budget_recomputes_nothing(real):
     assert not tfrecompute.checkpoints(model)
 
 
-@pytest.mark.parametrize("name", MEASURED)
+@pytest.mark.parametrize("name", PREDICTED)
 def test_predicted_peak_against_measured(name):
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
     import prediction_accuracy
 
     # The requested peak is the largest of several traced steps per plan: the
-    # order of the inter-op threads moves it (MobileNetV2 sqrt: 74 to 86 MiB).
+    # order of the inter-op threads moves it (U-Net: TRACES).
     result = prediction_accuracy.run_in_subprocess(name, BATCH, traces=TRACES.get(name, 5))
     requested = {row["strategy"]: row["requested_error"] for row in result["rows"]}
     bound = REQUESTED_TOLERANCES.get(name, REQUESTED_TOLERANCE)
