@@ -169,17 +169,20 @@ def test_the_next_plan_up_is_set_beside_the_budgets_default_plan():
         row("llm", "optimal+policies", 85, 80),
         row("llm", "next-up", 91, 86),
         dict(row("cnn", "next-up", 95, 90), memory="traced"),  # not calibrated: left out
+        dict(row("rnn2", "optimal", 60, 84), budget_bytes=80 * MiB),  # its own budget
+        dict(row("rnn2", "next-up", 106, 110), budget_bytes=110 * MiB),
     ]
     lines = held_out._next_up_lines(rows)
     assert lines[1] == "## The next plan up"
-    assert lines[-2:] == [
+    assert lines[-3:] == [
         "| rnn | optimal | 75% | 78% | 106% | 110% | neither |",
         "| llm | optimal+policies | 85% | 80% | 91% | 86% | the next plan up |",
+        "| rnn2 | optimal | 75% | 105% | 96% | 100% | the plan chosen, the next plan up |",
     ]
     assert held_out._next_up_lines([r for r in rows if r["plan"] != "next-up"]) == []
     # Kept out of the summary of the first four plans, as optimal+policies is.
     table = held_out._markdown([dict(r, **FILLED) for r in rows], [], [])
-    assert "- calibrated: within 10% of the allocator 2 of 2 plans" in table  # both optimal
+    assert "- calibrated: within 10% of the allocator 3 of 3 plans" in table  # the optimal
     assert "- traced: within 10% of the allocator 0 of 0 plans" in table
 
 
