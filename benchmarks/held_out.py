@@ -547,7 +547,8 @@ def _markdown(
         '0.1 calibrated). *optimal* plans whole segments (`policy="nothing"`); '
         "*optimal+policies*, the same budget's default on the models holding attention layers, "
         "also weighs recomputing only the attention cores or all but the weight products. The "
-        "summary lines before the table leave *optimal+policies* out, measured later and apart.",
+        "summary lines before the table leave *optimal+policies* and *next-up* (the plan "
+        "above the budget's default, below) out, measured later and apart.",
         "",
     ]
     lines += _accuracy_lines([r for r in rows if r["plan"] not in APART])
