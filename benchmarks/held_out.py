@@ -76,6 +76,7 @@ PLANS = ("none", "default", "sqrt", "optimal", "optimal+policies", "next-up")
 # (its least-cost plan with a higher predicted peak), measured calibrated only: whether a
 # plan the headroom ruled out would have used 85% to 105% of the budget.
 APART = ("optimal+policies", "next-up")  # summarised apart from the first four plans
+DEFAULT_PLANS = PLANS[:-1]  # next-up runs when asked for (`--plans next-up`)
 ATTENTION_MODELS = ("gpt_neox", "mistral", "opt", "electra")
 MEMORY = ("traced", "calibrated")  # how each plan's memory is predicted
 SMOKE_PLANS = ("none", "sqrt")
@@ -645,22 +646,25 @@ def _next_up_lines(rows: list[dict[str, Any]]) -> list[str]:
     """Per model with a `next-up` row: the budget's calibrated default plan and the next
     plan up, each measured against the budget, and whether either used 85% to 105% of it."""
     calibrated = [r for r in rows if r.get("memory", "traced") == "calibrated"]
-    chosen = {
-        r["model"]: r
-        for plan in ("optimal", "optimal+policies")  # the budget's default: policies last
+    default = {  # the budget's default plan of each model
+        (r["model"], r["plan"]): r
         for r in calibrated
-        if r["plan"] == plan
+        if r["plan"] == ("optimal+policies" if r["model"] in ATTENTION_MODELS else "optimal")
     }
     lines = []
-    for r in (r for r in calibrated if r["plan"] == "next-up" and r["model"] in chosen):
-        first = chosen[r["model"]]  # each against its own process's budget
-        used = [p["measured_bytes"] / p["budget_bytes"] for p in (first, r)]
+    for r in (r for r in calibrated if r["plan"] == "next-up"):
+        plan = "optimal+policies" if r["model"] in ATTENTION_MODELS else "optimal"
+        first = default.get((r["model"], plan))
+        if first is None:
+            continue
+        used = [p["measured_bytes"] / p["budget_bytes"] for p in (first, r)]  # own budgets
         named = zip(("the plan chosen", "the next plan up"), used)
         within = [n for n, u in named if 0.85 <= u <= 1.05]
+        there = r["chosen_predicted_bytes"] / r["budget_bytes"]
         lines.append(
-            f"| {r['model']} | {first['plan']} | "
+            f"| {r['model']} | {plan} | "
             f"{first['predicted_bytes'] / first['budget_bytes']:.0%} | {used[0]:.0%} | "
-            f"{r['predicted_bytes'] / r['budget_bytes']:.0%} | {used[1]:.0%} | "
+            f"{there:.0%} | {r['predicted_bytes'] / r['budget_bytes']:.0%} | {used[1]:.0%} | "
             f"{', '.join(within) or 'neither'} |"
         )
     if not lines:
@@ -673,12 +677,14 @@ def _next_up_lines(rows: list[dict[str, Any]]) -> list[str]:
         "plan of its chain's frontier just above it (the least-cost plan with a higher "
         "predicted peak, ruled out by the 10% headroom), each planned and measured in a fresh "
         "process against the budget set there as above (each process calibrates on its own "
-        "step, so budgets and plans can differ a little): which of the two used 85% to 105% "
-        "of it.",
+        "step, so budgets and plans can differ a little: *chosen there* is the plan the "
+        "next-up process chose, whose next plan up it measured): which of the two used 85% "
+        "to 105% of it. The next-up rows' planning time leaves out listing the frontier.",
         "",
         "| model | chosen | chosen predicted / budget | chosen measured / budget "
-        "| next up predicted / budget | next up measured / budget | 85% to 105% |",
-        "|---|---|---:|---:|---:|---:|---|",
+        "| chosen there, predicted / budget | next up predicted / budget "
+        "| next up measured / budget | 85% to 105% |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
         *lines,
     ]
 
@@ -729,7 +735,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), help="default: all")
     parser.add_argument("--smoke", action="store_true", help="one small model, two plans")
     parser.add_argument(
-        "--plans", nargs="+", choices=PLANS, help="measure only these plans (default: all)"
+        "--plans",
+        nargs="+",
+        choices=PLANS,
+        help="measure only these plans (default: all but next-up)",
     )
     parser.add_argument("--out", type=Path, help="the folder to write to")
     parser.add_argument(
@@ -811,7 +820,7 @@ def _measure_model(name: str, args: Any, new: dict[str, list[dict[str, Any]]]) -
             worker = ["--spread-worker", name, args.spread_plan, *extra]
             new["spread"].append(_report.run_worker(script, worker, timeout=1800))
         return
-    for plan in SMOKE_PLANS if args.smoke else (args.plans or PLANS):
+    for plan in SMOKE_PLANS if args.smoke else (args.plans or DEFAULT_PLANS):
         if plan == "optimal+policies" and name not in ATTENTION_MODELS:
             continue
         for memory in ("calibrated",) if plan == "next-up" else MEMORY:

@@ -152,7 +152,7 @@ def test_the_budget_section_says_where_the_next_plan_up_stood():
 
 
 def test_the_next_plan_up_is_set_beside_the_budgets_default_plan():
-    def row(model: str, plan: str, predicted: int, measured: int) -> dict:
+    def row(model: str, plan: str, predicted: int, measured: int, chosen: int = 0) -> dict:
         return {
             "model": model,
             "plan": plan,
@@ -160,29 +160,34 @@ def test_the_next_plan_up_is_set_beside_the_budgets_default_plan():
             "budget_bytes": 100 * MiB,
             "predicted_bytes": predicted * MiB,
             "measured_bytes": measured * MiB,
+            "chosen_predicted_bytes": chosen * MiB,
         }
 
     rows = [
-        row("rnn", "optimal", 75, 78),  # chosen under 85%, the next up over 105%
-        row("rnn", "next-up", 106, 110),
-        row("llm", "optimal", 70, 72),  # whole segments: not the budget's default here
-        row("llm", "optimal+policies", 85, 80),
-        row("llm", "next-up", 91, 86),
-        dict(row("cnn", "next-up", 95, 90), memory="traced"),  # not calibrated: left out
-        dict(row("rnn2", "optimal", 60, 84), budget_bytes=80 * MiB),  # its own budget
-        dict(row("rnn2", "next-up", 106, 110), budget_bytes=110 * MiB),
+        row("gru_lm", "optimal", 75, 78),  # chosen under 85%, the next up over 105%
+        row("gru_lm", "next-up", 106, 110, chosen=75),
+        row("mistral", "optimal", 70, 72),  # whole segments: not the budget's default here
+        row("mistral", "optimal+policies", 85, 80),
+        row("mistral", "next-up", 91, 86, chosen=87),  # its process chose another plan
+        row("opt", "optimal", 70, 72),  # its budget's default (policies) was not measured
+        row("opt", "next-up", 91, 86, chosen=85),
+        row("unet", "optimal", 70, 72),
+        dict(row("unet", "next-up", 95, 90, chosen=88), memory="traced"),  # not calibrated
+        dict(row("bilstm_tagger", "optimal", 60, 84), budget_bytes=80 * MiB),  # own budget
+        dict(row("bilstm_tagger", "next-up", 106, 110, chosen=75), budget_bytes=110 * MiB),
     ]
     lines = held_out._next_up_lines(rows)
     assert lines[1] == "## The next plan up"
     assert lines[-3:] == [
-        "| rnn | optimal | 75% | 78% | 106% | 110% | neither |",
-        "| llm | optimal+policies | 85% | 80% | 91% | 86% | the next plan up |",
-        "| rnn2 | optimal | 75% | 105% | 96% | 100% | the plan chosen, the next plan up |",
+        "| gru_lm | optimal | 75% | 78% | 75% | 106% | 110% | neither |",
+        "| mistral | optimal+policies | 85% | 80% | 87% | 91% | 86% | the next plan up |",
+        "| bilstm_tagger | optimal | 75% | 105% | 68% | 96% | 100% "
+        "| the plan chosen, the next plan up |",
     ]
     assert held_out._next_up_lines([r for r in rows if r["plan"] != "next-up"]) == []
     # Kept out of the summary of the first four plans, as optimal+policies is.
     table = held_out._markdown([dict(r, **FILLED) for r in rows], [], [])
-    assert "- calibrated: within 10% of the allocator 3 of 3 plans" in table  # the optimal
+    assert "- calibrated: within 10% of the allocator 5 of 5 plans" in table  # the optimal
     assert "- traced: within 10% of the allocator 0 of 0 plans" in table
 
 
