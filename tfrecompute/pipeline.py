@@ -89,8 +89,8 @@ def weighed_policy(model: Any, policy: Any, strategy: Any, *, budgeted: bool) ->
 
     A keras-hub transformer layer is one call, so one link, and the plans of
     a stack of them step by a whole layer's activations: a budget between two
-    steps goes unused (the held-out transformers' calibrated plans used 74%
-    to 78% of their budget, the next plan up predicted at 102% to 105%).
+    steps goes unused (the held-out transformers' calibrated plans used 73%
+    to 76% of their budget, the next plan up predicted at 101% to 105%).
     Under a budget, `optimal` (the default strategy) on a model holding
     attention layers therefore weighs `BUDGET_POLICIES` per segment when no
     `policy` is given: its attention cores recomputed, or all but its weight
