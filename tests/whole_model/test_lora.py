@@ -221,12 +221,12 @@ def test_fit_moves_the_adapters_as_the_control_and_nothing_else(name, order, sha
     assert any(not np.allclose(a, b) for a, b in zip(save_state(_adapters(model)), adapters_before))
 
 
-# Every model with LoRA under both policies; the rarer cases under one each, so that
-# each policy meets LoRA first and no LoRA on some model (suite time). Without LoRA,
-# Llama under both policies is in test_any_model.py.
+# Every model with LoRA under both policies, and Gemma with LoRA first (the order
+# keras-hub's fine-tuning guides use); without LoRA one model under each policy (suite
+# time). Without LoRA, Llama under both policies is in test_any_model.py.
 MIXED_CASES = [
     *((name, True, "after", policy) for name in MODELS for policy in MIXED_POLICIES),
-    ("gemma_causal_lm", True, "before", "mixed_float16"),  # keras-hub's guides' order
+    *(("gemma_causal_lm", True, "before", policy) for policy in MIXED_POLICIES),
     ("bert_classifier", False, "after", "mixed_bfloat16"),
     ("gemma_causal_lm", False, "after", "mixed_float16"),
 ]
@@ -242,9 +242,8 @@ MIXED_CASES = [
     indirect=["mixed_policy"],
 )
 def test_under_a_mixed_policy_trains_as_the_control(name, lora, order, mixed_policy, shared):
-    """Each model under `mixed_bfloat16` and `mixed_float16` with LoRA after recompute;
-    the Gemma causal LM with LoRA before recompute, and two models without LoRA, under
-    one policy each.
+    """Each model under `mixed_bfloat16` and `mixed_float16` with LoRA after recompute,
+    the Gemma causal LM also before; two models without LoRA, one policy each.
 
     In half precision TensorFlow fuses a model's ops differently eagerly and
     under `tf.function`, so the control alone gives other gradients in the two
