@@ -287,7 +287,7 @@ def measure(name: str, plan_name: str, memory: str, smoke: bool) -> dict[str, An
         higher = [p for p in frontier if p.peak_bytes > plan.peak_bytes]
         if not higher:
             raise RuntimeError(f"{name}: the budget's plan is the frontier's highest")
-        plan = min(higher, key=_peak)
+        plan = min(higher, key=lambda p: p.peak_bytes)
     start = time.process_time()
     tfrecompute.recompute(model, plan)
     planning += time.process_time() - start
@@ -316,10 +316,6 @@ def measure(name: str, plan_name: str, memory: str, smoke: bool) -> dict[str, An
         "chosen_predicted_bytes": chosen.peak_bytes,
         "planning_cpu_seconds": planning,
     }
-
-
-def _peak(plan: Any) -> int:
-    return int(plan.peak_bytes)
 
 
 def _planned(model: Any, x: Any, y: Any, plan_name: str, calibrate: bool) -> tuple[Any, ...]:
@@ -646,17 +642,13 @@ def _next_up_lines(rows: list[dict[str, Any]]) -> list[str]:
     """Per model with a `next-up` row: the budget's calibrated default plan and the next
     plan up, each measured against the budget, and whether either used 85% to 105% of it."""
     calibrated = [r for r in rows if r.get("memory", "traced") == "calibrated"]
-    default = {  # the budget's default plan of each model
-        (r["model"], r["plan"]): r
-        for r in calibrated
-        if r["plan"] == ("optimal+policies" if r["model"] in ATTENTION_MODELS else "optimal")
-    }
+    default = {r["model"]: r for r in calibrated if r["plan"] == _budget_default(r["model"])}
     lines = []
     for r in (r for r in calibrated if r["plan"] == "next-up"):
-        plan = "optimal+policies" if r["model"] in ATTENTION_MODELS else "optimal"
-        first = default.get((r["model"], plan))
+        first = default.get(r["model"])
         if first is None:
             continue
+        plan = first["plan"]
         used = [p["measured_bytes"] / p["budget_bytes"] for p in (first, r)]  # own budgets
         named = zip(("the plan chosen", "the next plan up"), used)
         within = [n for n, u in named if 0.85 <= u <= 1.05]
@@ -687,6 +679,12 @@ def _next_up_lines(rows: list[dict[str, Any]]) -> list[str]:
         "|---|---|---:|---:|---:|---:|---:|---|",
         *lines,
     ]
+
+
+def _budget_default(model: str) -> str:
+    """The plan a budget makes by default on `model`: with policy states on the attention
+    models."""
+    return "optimal+policies" if model in ATTENTION_MODELS else "optimal"
 
 
 def _above_storing_everything(rows: list[dict[str, Any]]) -> list[str]:

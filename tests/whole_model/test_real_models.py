@@ -149,7 +149,7 @@ def test_predicted_peak_against_measured(name):
     import prediction_accuracy
 
     # The requested peak is the largest of several traced steps per plan: the
-    # order of the inter-op threads moves it (U-Net: TRACES).
+    # order of the inter-op threads moves it (U-Net: see TRACES above).
     result = prediction_accuracy.run_in_subprocess(name, BATCH, traces=TRACES.get(name, 5))
     requested = {row["strategy"]: row["requested_error"] for row in result["rows"]}
     bound = REQUESTED_TOLERANCES.get(name, REQUESTED_TOLERANCE)
