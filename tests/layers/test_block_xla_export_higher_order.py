@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 from tests.helpers import MODES, apply_in_order, assert_same_fit, load_state, normal, save_state
-from tfrecompute import RecomputeBlock, measure_step
+from tfrecompute import RecomputeBlock, trace_step
 
 # ------------------------------------------------------------------ XLA
 
@@ -65,9 +65,12 @@ def test_xla_keeps_the_recompute():
 def test_blocks_still_save_memory_under_xla_on_cpu():
     """24 Dense(512, tanh) at batch 1024, compiled with XLA: the CPU allocator sees it.
 
-    Measured (tensorflow 2.21, 2 CPU cores): 51 MiB without blocks and 21 to 24
-    MiB with blocks of 4 layers, once 32 MiB of 51 in a full run (XLA takes
-    its temporaries in coarse buffers); without XLA 55 and 22 to 25 MiB.
+    Compared by the bytes the step asked the allocator for (`trace_step`): 51
+    MiB without blocks, 21 MiB with blocks of 4 layers, in every process
+    measured (tensorflow 2.21, 2 CPU cores). The allocator's own peak adds
+    its rounding (NOTE [ Requested and allocated bytes ] in
+    tfrecompute/check/measure.py), which depends on the holes earlier work in
+    the process left: 51 or 64 MiB without blocks, 21 to 37 MiB with them.
     """
     depth, width, batch = 24, 512, 1024
     rng = np.random.default_rng(0)
@@ -77,11 +80,11 @@ def test_blocks_still_save_memory_under_xla_on_cpu():
     for block_size in (None, 4):
         model = _tanh_chain(depth, width, block_size)
         model.compile(optimizer="sgd", loss="mse", jit_compile=True)
-        peaks.append(measure_step(model, x, y).peak_bytes)
+        peaks.append(trace_step(model, x, y, warmup=1).requested_peak_bytes)
     plain, blocked = peaks
     activation = batch * width * 4
     assert plain >= 0.75 * depth * activation, peaks  # XLA's buffers are counted
-    assert blocked <= 0.7 * plain, peaks
+    assert blocked <= 0.6 * plain, peaks
 
 
 # ------------------------------------------------------------------ export
