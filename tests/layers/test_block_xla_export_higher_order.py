@@ -65,12 +65,12 @@ def test_xla_keeps_the_recompute():
 def test_blocks_still_save_memory_under_xla_on_cpu():
     """24 Dense(512, tanh) at batch 1024, compiled with XLA: the CPU allocator sees it.
 
-    Compared by the bytes the step asked the allocator for (`trace_step`): 51
-    MiB without blocks, 21 MiB with blocks of 4 layers, in every process
-    measured (tensorflow 2.21, 2 CPU cores). The allocator's own peak adds
-    its rounding (NOTE [ Requested and allocated bytes ] in
-    tfrecompute/check/measure.py), which depends on the holes earlier work in
-    the process left: 51 or 64 MiB without blocks, 21 to 37 MiB with them.
+    Compared by the bytes the step asked the allocator for (`trace_step`): 51 MiB
+    without blocks, 21 MiB with blocks of 4 layers, at each of six steps over two
+    processes (tensorflow 2.21, 2 CPU cores). The allocator's own peak adds its
+    rounding (NOTE [ Requested and allocated bytes ] in
+    tfrecompute/check/measure.py), which depends on the holes earlier work in the
+    process left: 51 or 64 MiB without blocks, 21 to 37 MiB with them.
     """
     depth, width, batch = 24, 512, 1024
     rng = np.random.default_rng(0)
