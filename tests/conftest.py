@@ -73,11 +73,10 @@ def collect_garbage():
 # tests were kept up to 420 s of that, plus the cheapest test of each file that takes
 # 15 s or less, two tests of tests/rewrite/test_persistence.py (saving), and every test
 # directory keeps some. The rest is listed here. The quick subset then ran in 4 min
-# 50 s (1232 of 1712 tests, one process, load average 4). It drifted to 11 min 10 s
-# (1312 of 1789 tests: the held-out benchmark's smoke run and the subprocess tests of
-# tests/check/test_cpu_allocator.py had joined it); from a full run's durations (46
-# min, nothing beside it) its most expensive tests were listed, each file keeping its
-# cheapest, down to 417 s of them: it ran in 5 min 52 s (1294 tests, one process).
+# 50 s (1232 of 1712 tests, one process, load average 4). Measured again from a full
+# run's durations (46 min, nothing beside it): the subset's most expensive tests were
+# listed, each file keeping its cheapest, down to 417 s of them; it ran in 5 min 52 s
+# (1294 of 1789 tests, one process).
 # A line is a file (all its tests), `file::test` (every parametrization) or
 # `file::test[id]`; `*` in an id stands for any text. Measure again the same way when
 # the subset drifts past about 6 minutes; a test added later is quick until listed.
